@@ -1,0 +1,35 @@
+//! `strait`: the command people use to link clusters, check them and manage identities.
+#![forbid(unsafe_code)]
+
+use clap::{Parser, Subcommand};
+use strait_mesh::telemetry::{LogFormat, init_tracing};
+
+/// Strait: a multicluster service mesh. Link clusters, export services, check the links.
+#[derive(Debug, Parser)]
+#[command(name = "strait", version)]
+struct Cli {
+    /// Log format: plain or json (logs go to stderr; stdout stays pipeable).
+    #[arg(
+        long,
+        global = true,
+        env = "STRAIT_LOG_FORMAT",
+        default_value = "plain"
+    )]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the version of this CLI.
+    Version,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format, "warn");
+    match cli.command {
+        Command::Version => println!("strait {}", env!("CARGO_PKG_VERSION")),
+    }
+}

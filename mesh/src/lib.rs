@@ -1,0 +1,8 @@
+//! The parts of Strait that more than one binary needs.
+//!
+//! Today this holds telemetry set-up; identity/TLS, the tunnel protocol and
+//! discovery land here as their issues do, so the mirror, gateway, proxy and
+//! CLI all call the same code (see ARCHITECTURE.md).
+#![forbid(unsafe_code)]
+
+pub mod telemetry;

@@ -1,0 +1,141 @@
+//! `strait-backend`: the program tests run as a pod's process.
+//!
+//! It answers HTTP/1.1 and HTTP/2 prior-knowledge (h2c) on each `--http`
+//! address with a JSON body naming the pod, and echoes raw TCP on each `--echo`
+//! address. On the echo port a connection whose first bytes are `WHOAMI\n`
+//! gets the pod name and a newline back first, then plain echo.
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::Full;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A test backend: HTTP/1.1 + h2c answering with its pod name, and a TCP echo.
+#[derive(Debug, Parser)]
+#[command(name = "strait-backend", version)]
+struct Args {
+    /// The pod name to answer with.
+    #[arg(long, env = "POD_NAME")]
+    name: String,
+    /// Address to serve HTTP/1.1 and h2c on (repeatable).
+    #[arg(long)]
+    http: Vec<SocketAddr>,
+    /// Address to serve the TCP echo on (repeatable).
+    #[arg(long)]
+    echo: Vec<SocketAddr>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    strait_mesh::telemetry::init_tracing(Default::default(), "info");
+    anyhow::ensure!(
+        !args.http.is_empty() || !args.echo.is_empty(),
+        "give at least one --http or --echo address"
+    );
+    let name: Arc<str> = args.name.into();
+    let mut tasks = tokio::task::JoinSet::new();
+    for addr in args.http {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("bind HTTP {addr}: {e}"))?;
+        tracing::info!(%addr, "serving HTTP/1.1 and h2c");
+        tasks.spawn(serve_http(listener, name.clone()));
+    }
+    for addr in args.echo {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("bind echo {addr}: {e}"))?;
+        tracing::info!(%addr, "serving TCP echo");
+        tasks.spawn(serve_echo(listener, name.clone()));
+    }
+    // Listeners run until the process is killed; a failing accept loop ends it.
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    Ok(())
+}
+
+async fn serve_http(listener: TcpListener, name: Arc<str>) -> anyhow::Result<()> {
+    loop {
+        let (stream, peer) = listener.accept().await?;
+        let name = name.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| answer(req, name.clone(), peer));
+            if let Err(e) = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, "HTTP connection ended: {e}");
+            }
+        });
+    }
+}
+
+async fn answer(
+    req: Request<hyper::body::Incoming>,
+    name: Arc<str>,
+    peer: SocketAddr,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    let headers: serde_json::Map<String, serde_json::Value> = req
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned().into(),
+            )
+        })
+        .collect();
+    let body = serde_json::json!({
+        "pod": &*name,
+        "method": req.method().as_str(),
+        "path": req.uri().path(),
+        "version": format!("{:?}", req.version()),
+        "peer": peer.to_string(),
+        "headers": headers,
+    });
+    let response = Response::builder()
+        .header("content-type", "application/json")
+        .header("x-strait-pod", &*name)
+        .body(Full::new(Bytes::from(format!("{body}\n"))))
+        .expect("static response parts are valid");
+    Ok(response)
+}
+
+async fn serve_echo(listener: TcpListener, name: Arc<str>) -> anyhow::Result<()> {
+    loop {
+        let (stream, peer) = listener.accept().await?;
+        let name = name.clone();
+        tokio::spawn(async move {
+            if let Err(e) = echo(stream, &name).await {
+                tracing::debug!(%peer, "echo connection ended: {e}");
+            }
+        });
+    }
+}
+
+async fn echo(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 16 * 1024];
+    let n = stream.read(&mut buf).await?;
+    if n == 0 {
+        return Ok(());
+    }
+    let mut first = &buf[..n];
+    if let Some(rest) = first.strip_prefix(b"WHOAMI\n") {
+        stream.write_all(format!("{name}\n").as_bytes()).await?;
+        first = rest;
+    }
+    stream.write_all(first).await?;
+    let (mut reader, mut writer) = stream.split();
+    tokio::io::copy(&mut reader, &mut writer).await?;
+    writer.shutdown().await
+}

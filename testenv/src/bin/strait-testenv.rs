@@ -1,0 +1,203 @@
+//! `strait-testenv`: real local Kubernetes clusters for people.
+//!
+//! `strait-testenv up --clusters east,west` starts one control plane per name,
+//! writes one kubeconfig with a context per cluster and stays up until Ctrl-C or
+//! `strait-testenv down`.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use strait_testenv::{Cluster, ClusterConfig, controlplane, kubeconfig, process};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "strait-testenv",
+    version,
+    about = "Real local Kubernetes control planes for Strait (no Docker needed)."
+)]
+struct Cli {
+    /// Folder for the pid file and the kubeconfig of `up`.
+    #[arg(long, global = true, env = "STRAIT_TESTENV_STATE_DIR", default_value_os_t = default_state_dir())]
+    state_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start clusters and stay up until Ctrl-C or `strait-testenv down`.
+    Up {
+        /// Comma-separated cluster names; each becomes a kubeconfig context.
+        #[arg(long, value_delimiter = ',', default_value = "east,west")]
+        clusters: Vec<String>,
+        /// Where to write the kubeconfig (default: STATE_DIR/kubeconfig).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
+    /// Stop the clusters a running `up` started.
+    Down,
+    /// Build the control-plane binary into the cache now (tests do it on first use).
+    Build,
+}
+
+fn default_state_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) => PathBuf::from(dir).join("strait-testenv"),
+        None => std::env::temp_dir().join("strait-testenv"),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // The client's connection errors while a component starts are expected noise.
+    strait_mesh::telemetry::init_tracing(Default::default(), "warn,kube_client=off");
+    match cli.command {
+        Command::Build => {
+            let bin = controlplane::ensure_built()?;
+            println!("{}", bin.display());
+            Ok(())
+        }
+        Command::Down => down(&cli.state_dir),
+        Command::Up {
+            clusters,
+            kubeconfig,
+        } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(up(&cli.state_dir, clusters, kubeconfig))
+        }
+    }
+}
+
+fn pid_file(state_dir: &std::path::Path) -> PathBuf {
+    state_dir.join("up.pid")
+}
+
+fn running_pid(state_dir: &std::path::Path) -> Option<u32> {
+    let text = std::fs::read_to_string(pid_file(state_dir)).ok()?;
+    let pid: u32 = text.trim().parse().ok()?;
+    process::is_alive(pid).then_some(pid)
+}
+
+async fn up(
+    state_dir: &std::path::Path,
+    names: Vec<String>,
+    kubeconfig_path: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    if names.is_empty() || names.iter().any(|n| n.is_empty()) {
+        bail!("--clusters needs one or more names, e.g. --clusters east,west");
+    }
+    if let Some(pid) = running_pid(state_dir) {
+        bail!(
+            "testenv is already up (pid {pid}); run `strait-testenv down` first, or pass another --state-dir"
+        );
+    }
+    std::fs::create_dir_all(state_dir)
+        .with_context(|| format!("create {}", state_dir.display()))?;
+    let kubeconfig_path = kubeconfig_path.unwrap_or_else(|| state_dir.join("kubeconfig"));
+
+    let binary = tokio::task::spawn_blocking(controlplane::ensure_built).await??;
+    let version = controlplane::kubernetes_version(&controlplane::source_dir()).unwrap_or_default();
+    eprintln!(
+        "[testenv] starting {} (Kubernetes {version}, {})…",
+        names.join(", "),
+        binary.display()
+    );
+    let started = Instant::now();
+    let configs = names.iter().enumerate().map(|(i, name)| {
+        let mut config = ClusterConfig::new(name);
+        // Linked clusters must not share service ranges.
+        config.service_cidr = format!("10.{}.0.0/16", 96 + i);
+        config
+    });
+    let clusters: Vec<Cluster> =
+        futures::future::try_join_all(configs.map(Cluster::start_with)).await?;
+    let elapsed = started.elapsed();
+
+    let merged = kubeconfig::merge(clusters.iter().map(|c| c.kubeconfig().clone()));
+    write_private(&kubeconfig_path, &kubeconfig::to_yaml(&merged)?)?;
+    std::fs::write(pid_file(state_dir), std::process::id().to_string())?;
+
+    let first = &names[0];
+    println!(
+        "testenv is up in {:.1}s: {} (Kubernetes {version})",
+        elapsed.as_secs_f64(),
+        names.join(", ")
+    );
+    for c in &clusters {
+        println!(
+            "  {:<8} {}   logs: {}",
+            c.name(),
+            c.server_url(),
+            c.dir().join("logs").display()
+        );
+    }
+    println!();
+    println!("  export KUBECONFIG={}", kubeconfig_path.display());
+    println!(
+        "  kubectl --kubeconfig {} --context {first} get ns",
+        kubeconfig_path.display()
+    );
+    println!();
+    println!("Stop with Ctrl-C or `strait-testenv down`.");
+
+    wait_for_stop_signal().await?;
+    eprintln!("[testenv] stopping…");
+    drop(clusters);
+    let _ = std::fs::remove_file(pid_file(state_dir));
+    let _ = std::fs::remove_file(&kubeconfig_path);
+    eprintln!("[testenv] down");
+    Ok(())
+}
+
+async fn wait_for_stop_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut hangup = signal(SignalKind::hangup())?;
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+        _ = hangup.recv() => {}
+    }
+    Ok(())
+}
+
+fn write_private(path: &std::path::Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    // The kubeconfig holds an admin key: readable by its owner only.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("write {}", path.display()))?;
+    file.write_all(contents.as_bytes())?;
+    Ok(())
+}
+
+fn down(state_dir: &std::path::Path) -> anyhow::Result<()> {
+    let Some(pid) = running_pid(state_dir) else {
+        let _ = std::fs::remove_file(pid_file(state_dir));
+        println!(
+            "testenv is not up (no live pid in {})",
+            pid_file(state_dir).display()
+        );
+        return Ok(());
+    };
+    if !process::terminate(pid, Duration::from_secs(60)) {
+        bail!(
+            "testenv (pid {pid}) did not stop; its components die with it, check `ps` for leftovers"
+        );
+    }
+    let _ = std::fs::remove_file(pid_file(state_dir));
+    println!("testenv is down (pid {pid} stopped)");
+    Ok(())
+}

@@ -1,0 +1,647 @@
+//! One real Kubernetes control plane: etcd, kube-apiserver and
+//! kube-controller-manager, each its own process, on free ports in a temp folder.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+
+use crate::controlplane;
+use crate::kubeconfig;
+use crate::pki::{ClusterPki, PkiFiles};
+use crate::process::{ChildProcess, log_tail};
+
+/// Controllers testenv runs. No kubelet and no scheduler exist, so workload
+/// controllers (deployment, replicaset, …) would only create Pods nobody runs.
+pub const CONTROLLERS: &[&str] = &[
+    "endpointslice-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "namespace-controller",
+    "garbage-collector-controller",
+    "root-ca-certificate-publisher-controller",
+];
+
+/// How long a component may take to become ready before start-up fails.
+const READY_TIMEOUT: Duration = Duration::from_secs(90);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(transparent)]
+    Build(#[from] controlplane::BuildError),
+    #[error("cluster {cluster}: cannot prepare {what}: {source}")]
+    Setup {
+        cluster: String,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("cluster {cluster}: cannot make certificates: {source}")]
+    Pki {
+        cluster: String,
+        #[source]
+        source: rcgen::Error,
+    },
+    #[error("cluster {cluster}: cannot start {component}: {source}")]
+    Spawn {
+        cluster: String,
+        component: &'static str,
+        source: std::io::Error,
+    },
+    #[error(
+        "cluster {cluster}: {component} exited during start-up ({status}); last lines of {log}:\n{tail}",
+        log = .log.display()
+    )]
+    Exited {
+        cluster: String,
+        component: &'static str,
+        status: String,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error(
+        "cluster {cluster}: {component} not ready after {}s ({what}); last lines of {log}:\n{tail}",
+        READY_TIMEOUT.as_secs(), log = .log.display()
+    )]
+    NotReady {
+        cluster: String,
+        component: &'static str,
+        what: String,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("cluster {cluster}: cannot build a client: {message}")]
+    Client { cluster: String, message: String },
+}
+
+impl ClusterError {
+    /// A port picked as free was taken by someone else before the component bound it.
+    fn is_port_race(&self) -> bool {
+        match self {
+            ClusterError::Exited { tail, .. } | ClusterError::NotReady { tail, .. } => {
+                tail.contains("address already in use")
+            }
+            _ => false,
+        }
+    }
+}
+
+/// What to start. `ClusterConfig::new("east")` gives sensible defaults.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// Cluster name: the kubeconfig context, and part of every log line.
+    pub name: String,
+    /// Address the API server listens on and advertises. 127.0.0.1 by default;
+    /// node network namespaces need an address on their bridge instead.
+    pub bind_address: IpAddr,
+    /// Service ClusterIP range. Linked clusters should not overlap.
+    pub service_cidr: String,
+    /// Service-account token issuer (`iss` of every token this cluster signs).
+    pub service_account_issuer: String,
+    /// Extra API server flags (`--flag=value`), appended last so they win.
+    pub extra_apiserver_args: Vec<String>,
+}
+
+impl ClusterConfig {
+    pub fn new(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            bind_address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            service_cidr: "10.96.0.0/16".into(),
+            service_account_issuer: "https://kubernetes.default.svc.cluster.local".into(),
+            extra_apiserver_args: Vec::new(),
+        }
+    }
+}
+
+/// Ports handed out in this process, so two clusters of one test never draw the same one.
+static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+
+fn free_port(ip: IpAddr) -> std::io::Result<u16> {
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..64 {
+        let port = TcpListener::bind(SocketAddr::new(ip, 0))?
+            .local_addr()?
+            .port();
+        if !handed.contains(&port) {
+            handed.push(port);
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::other("no free port after 64 tries"))
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Ports {
+    etcd_client: u16,
+    etcd_peer: u16,
+    apiserver: u16,
+    controller_manager: u16,
+}
+
+/// A running cluster. Dropping it kills every process it started; if the
+/// current thread is panicking (a failed test) it first prints the tail of each
+/// component's log and keeps the folder for inspection.
+pub struct Cluster {
+    config: ClusterConfig,
+    binary: PathBuf,
+    dir: Option<tempfile::TempDir>,
+    root: PathBuf,
+    pki_files: PkiFiles,
+    pki: ClusterPki,
+    ports: Ports,
+    etcd: Option<ChildProcess>,
+    apiserver: Option<ChildProcess>,
+    controller_manager: Option<ChildProcess>,
+    admin_kubeconfig: Kubeconfig,
+    client: Client,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("name", &self.config.name)
+            .field("server", &self.server_url())
+            .field("dir", &self.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Starts a cluster named `name` with default settings.
+    pub async fn start(name: &str) -> Result<Self, ClusterError> {
+        Self::start_with(ClusterConfig::new(name)).await
+    }
+
+    /// Starts a cluster; retries with new ports if another process took one of
+    /// the free ports first (parallel test processes).
+    pub async fn start_with(config: ClusterConfig) -> Result<Self, ClusterError> {
+        let binary = tokio::task::spawn_blocking(controlplane::ensure_built)
+            .await
+            .expect("control-plane build task panicked")?;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::start_once(config.clone(), binary.clone()).await {
+                Err(e) if attempt < 3 && e.is_port_race() => {
+                    tracing::warn!(cluster = %config.name, "port taken during start-up, retrying with new ports");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(config: ClusterConfig, binary: PathBuf) -> Result<Self, ClusterError> {
+        let started = Instant::now();
+        let name = config.name.clone();
+        let setup = |what: &'static str| {
+            let cluster = name.clone();
+            move |source| ClusterError::Setup {
+                cluster,
+                what,
+                source,
+            }
+        };
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("strait-testenv-{name}-"))
+            .tempdir()
+            .map_err(setup("a temp folder"))?;
+        let root = dir.path().to_path_buf();
+        std::fs::create_dir_all(root.join("logs")).map_err(setup("the logs folder"))?;
+
+        let ip = config.bind_address;
+        let ports = Ports {
+            etcd_client: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST)).map_err(setup("ports"))?,
+            etcd_peer: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST)).map_err(setup("ports"))?,
+            apiserver: free_port(ip).map_err(setup("ports"))?,
+            controller_manager: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST))
+                .map_err(setup("ports"))?,
+        };
+        let mut ips = vec![IpAddr::V4(Ipv4Addr::LOCALHOST)];
+        if ip != ips[0] {
+            ips.push(ip);
+        }
+        let pki = ClusterPki::generate(&name, &ips).map_err(|source| ClusterError::Pki {
+            cluster: name.clone(),
+            source,
+        })?;
+        let pki_files = pki
+            .write_to(&root.join("pki"))
+            .map_err(setup("certificate files"))?;
+
+        let server = format!("https://{}", SocketAddr::new(ip, ports.apiserver));
+        let admin_kubeconfig = kubeconfig::with_client_cert(
+            &name,
+            &server,
+            &pki.ca.cert_pem,
+            &pki.admin.cert_pem,
+            &pki.admin.key_pem,
+        );
+        let kcm_kubeconfig = kubeconfig::with_client_cert(
+            &name,
+            &server,
+            &pki.ca.cert_pem,
+            &pki.controller_manager.cert_pem,
+            &pki.controller_manager.key_pem,
+        );
+        for (file, config) in [
+            ("admin.kubeconfig", &admin_kubeconfig),
+            ("controller-manager.kubeconfig", &kcm_kubeconfig),
+        ] {
+            let yaml = kubeconfig::to_yaml(config).map_err(|e| ClusterError::Client {
+                cluster: name.clone(),
+                message: e.to_string(),
+            })?;
+            std::fs::write(root.join(file), yaml).map_err(setup("kubeconfig files"))?;
+        }
+        let client = client_from(&name, admin_kubeconfig.clone()).await?;
+
+        let mut cluster = Cluster {
+            config,
+            binary,
+            dir: Some(dir),
+            root,
+            pki_files,
+            pki,
+            ports,
+            etcd: None,
+            apiserver: None,
+            controller_manager: None,
+            admin_kubeconfig,
+            client,
+        };
+        cluster.start_etcd().await?;
+        cluster.start_apiserver().await?;
+        cluster.start_controller_manager().await?;
+        tracing::info!(cluster = %name, server = %cluster.server_url(), elapsed_ms = started.elapsed().as_millis() as u64, "cluster ready");
+        Ok(cluster)
+    }
+
+    fn spawn(
+        &self,
+        component: &'static str,
+        args: Vec<String>,
+    ) -> Result<ChildProcess, ClusterError> {
+        let log = self.root.join("logs").join(format!("{component}.log"));
+        let mut full = vec![component.to_string()];
+        full.extend(args);
+        ChildProcess::spawn(component, &self.binary, &full, &log).map_err(|source| {
+            ClusterError::Spawn {
+                cluster: self.config.name.clone(),
+                component,
+                source,
+            }
+        })
+    }
+
+    async fn start_etcd(&mut self) -> Result<(), ClusterError> {
+        let client_url = format!("http://127.0.0.1:{}", self.ports.etcd_client);
+        let peer_url = format!("http://127.0.0.1:{}", self.ports.etcd_peer);
+        let args = vec![
+            "--name=testenv".into(),
+            format!("--data-dir={}", self.root.join("etcd").display()),
+            format!("--listen-client-urls={client_url}"),
+            format!("--advertise-client-urls={client_url}"),
+            format!("--listen-peer-urls={peer_url}"),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--initial-cluster=testenv={peer_url}"),
+            // Test data is thrown away: skip fsync, it is most of etcd's latency.
+            "--unsafe-no-fsync=true".into(),
+            "--log-level=warn".into(),
+        ];
+        let mut child = self.spawn("etcd", args)?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.ports.etcd_client));
+        wait_ready(&self.config.name, "etcd", &mut child, || async {
+            match http_get(addr, "/health").await {
+                Ok(body) if body.contains("\"health\":\"true\"") => Ok(()),
+                Ok(body) => Err(format!("/health said {body}")),
+                Err(e) => Err(format!("/health: {e}")),
+            }
+        })
+        .await?;
+        self.etcd = Some(child);
+        Ok(())
+    }
+
+    fn apiserver_args(&self) -> Vec<String> {
+        let f = &self.pki_files;
+        let mut args = vec![
+            format!("--etcd-servers=http://127.0.0.1:{}", self.ports.etcd_client),
+            format!("--bind-address={}", self.config.bind_address),
+            format!("--advertise-address={}", self.config.bind_address),
+            format!("--secure-port={}", self.ports.apiserver),
+            format!("--cert-dir={}", self.root.join("pki").display()),
+            format!("--tls-cert-file={}", f.apiserver_cert.display()),
+            format!("--tls-private-key-file={}", f.apiserver_key.display()),
+            format!("--client-ca-file={}", f.ca_cert.display()),
+            "--authorization-mode=RBAC".into(),
+            format!(
+                "--service-account-issuer={}",
+                self.config.service_account_issuer
+            ),
+            format!(
+                "--service-account-key-file={}",
+                f.service_account_pub.display()
+            ),
+            format!(
+                "--service-account-signing-key-file={}",
+                f.service_account_key.display()
+            ),
+            format!("--service-cluster-ip-range={}", self.config.service_cidr),
+            // The `kubernetes` Service's endpoints would be a loopback address,
+            // which EndpointSlice validation rejects; nothing here needs them.
+            "--endpoint-reconciler-type=none".into(),
+            // Flow control costs start-up time and matters only under real load.
+            "--enable-priority-and-fairness=false".into(),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            "--v=1".into(),
+        ];
+        args.extend(self.config.extra_apiserver_args.iter().cloned());
+        args
+    }
+
+    /// Starts (or restarts, after [`Cluster::stop_apiserver`]) the API server on
+    /// its same port, and waits until `/readyz` answers ok.
+    pub async fn start_apiserver(&mut self) -> Result<(), ClusterError> {
+        let mut child = self.spawn("kube-apiserver", self.apiserver_args())?;
+        let client = self.client.clone();
+        wait_ready(&self.config.name, "kube-apiserver", &mut child, || {
+            let client = client.clone();
+            async move {
+                let req = http::Request::get("/readyz")
+                    .body(Vec::new())
+                    .map_err(|e| e.to_string())?;
+                client
+                    .request_text(req)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| format!("/readyz: {e}"))
+            }
+        })
+        .await?;
+        self.apiserver = Some(child);
+        Ok(())
+    }
+
+    /// Stops the API server (SIGTERM, then SIGKILL): clients see the remote
+    /// cluster go away while etcd keeps its data for [`Cluster::start_apiserver`].
+    pub fn stop_apiserver(&mut self) {
+        if let Some(mut child) = self.apiserver.take() {
+            child.stop(Duration::from_secs(5));
+        }
+    }
+
+    async fn start_controller_manager(&mut self) -> Result<(), ClusterError> {
+        let args = vec![
+            format!(
+                "--kubeconfig={}",
+                self.root.join("controller-manager.kubeconfig").display()
+            ),
+            format!("--controllers={}", CONTROLLERS.join(",")),
+            format!("--cluster-name={}", self.config.name),
+            format!("--root-ca-file={}", self.pki_files.ca_cert.display()),
+            format!(
+                "--service-account-private-key-file={}",
+                self.pki_files.service_account_key.display()
+            ),
+            format!(
+                "--cluster-signing-cert-file={}",
+                self.pki_files.ca_cert.display()
+            ),
+            format!(
+                "--cluster-signing-key-file={}",
+                self.pki_files.ca_key.display()
+            ),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", self.ports.controller_manager),
+            format!(
+                "--cert-dir={}",
+                self.root.join("pki").join("controller-manager").display()
+            ),
+            "--leader-elect=false".into(),
+            // Each controller acts as its own ServiceAccount with its own RBAC role, as in
+            // a real cluster (the root-CA publisher may not write ConfigMaps otherwise).
+            "--use-service-account-credentials=true".into(),
+            "--kube-api-qps=200".into(),
+            "--kube-api-burst=400".into(),
+            "--v=1".into(),
+        ];
+        let mut child = self.spawn("kube-controller-manager", args)?;
+        // Ready when its controllers have visibly run: the serviceaccount controller
+        // made `default`, the root-CA publisher wrote `kube-root-ca.crt`.
+        let client = self.client.clone();
+        wait_ready(
+            &self.config.name,
+            "kube-controller-manager",
+            &mut child,
+            || {
+                let client = client.clone();
+                async move {
+                    Api::<ServiceAccount>::namespaced(client.clone(), "default")
+                        .get("default")
+                        .await
+                        .map_err(|e| format!("ServiceAccount default/default: {e}"))?;
+                    Api::<ConfigMap>::namespaced(client, "default")
+                        .get("kube-root-ca.crt")
+                        .await
+                        .map_err(|e| format!("ConfigMap default/kube-root-ca.crt: {e}"))?;
+                    Ok(())
+                }
+            },
+        )
+        .await?;
+        self.controller_manager = Some(child);
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// A client with cluster-admin rights.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The admin kubeconfig (one context, named after the cluster).
+    pub fn kubeconfig(&self) -> &Kubeconfig {
+        &self.admin_kubeconfig
+    }
+
+    /// Path of the admin kubeconfig file, for `kubectl --kubeconfig`.
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.root.join("admin.kubeconfig")
+    }
+
+    /// `https://IP:PORT` of the API server.
+    pub fn server_url(&self) -> String {
+        format!(
+            "https://{}",
+            SocketAddr::new(self.config.bind_address, self.ports.apiserver)
+        )
+    }
+
+    /// PEM of the CA that signed the API server's certificate (also the client CA).
+    pub fn ca_pem(&self) -> &str {
+        &self.pki.ca.cert_pem
+    }
+
+    /// A client that authenticates with a bearer token (e.g. a ServiceAccount's).
+    pub async fn client_with_token(&self, token: &str) -> Result<Client, ClusterError> {
+        client_from(
+            &self.config.name,
+            kubeconfig::with_token(&self.config.name, &self.server_url(), self.ca_pem(), token),
+        )
+        .await
+    }
+
+    /// The folder holding this cluster's data, PKI and logs.
+    pub fn dir(&self) -> &Path {
+        &self.root
+    }
+
+    /// The component log files, for people and for failing tests.
+    pub fn log_files(&self) -> Vec<PathBuf> {
+        ["etcd", "kube-apiserver", "kube-controller-manager"]
+            .iter()
+            .map(|c| self.root.join("logs").join(format!("{c}.log")))
+            .collect()
+    }
+
+    /// Process ids of the running components (for leak checks).
+    pub fn pids(&self) -> Vec<u32> {
+        [&self.etcd, &self.apiserver, &self.controller_manager]
+            .into_iter()
+            .filter_map(|c| c.as_ref().and_then(ChildProcess::pid))
+            .collect()
+    }
+
+    /// Stops every component and removes the folder (unless kept for a failure).
+    pub fn shutdown(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        // Clients first, then the store.
+        for child in [
+            &mut self.controller_manager,
+            &mut self.apiserver,
+            &mut self.etcd,
+        ] {
+            if let Some(mut c) = child.take() {
+                c.stop(Duration::ZERO);
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let keep = std::thread::panicking() || std::env::var_os("STRAIT_TESTENV_KEEP").is_some();
+        if std::thread::panicking() {
+            for log in self.log_files() {
+                eprintln!(
+                    "──── cluster {} · {} (last 30 lines) ────\n{}",
+                    self.config.name,
+                    log.display(),
+                    log_tail(&log, 30)
+                );
+            }
+        }
+        self.stop_all();
+        if keep {
+            if let Some(dir) = self.dir.take() {
+                let path = dir.keep();
+                eprintln!(
+                    "[testenv] kept cluster {} files in {}",
+                    self.config.name,
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+async fn client_from(name: &str, config: Kubeconfig) -> Result<Client, ClusterError> {
+    let err = |message: String| ClusterError::Client {
+        cluster: name.to_string(),
+        message,
+    };
+    let options = KubeConfigOptions {
+        context: Some(name.to_string()),
+        ..Default::default()
+    };
+    let mut config = kube::Config::from_custom_kubeconfig(config, &options)
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(60));
+    Client::try_from(config).map_err(|e| err(e.to_string()))
+}
+
+/// Polls `probe` until it succeeds, the process exits, or [`READY_TIMEOUT`] passes.
+async fn wait_ready<F, Fut>(
+    cluster: &str,
+    component: &'static str,
+    child: &mut ChildProcess,
+    mut probe: F,
+) -> Result<(), ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut delay = Duration::from_millis(20);
+    loop {
+        if let Some(status) = child.try_exit_status() {
+            return Err(ClusterError::Exited {
+                cluster: cluster.to_string(),
+                component,
+                status: status.to_string(),
+                log: child.log_path().to_path_buf(),
+                tail: log_tail(child.log_path(), 40),
+            });
+        }
+        let last = match probe().await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if Instant::now() >= deadline {
+            return Err(ClusterError::NotReady {
+                cluster: cluster.to_string(),
+                component,
+                what: last,
+                log: child.log_path().to_path_buf(),
+                tail: log_tail(child.log_path(), 40),
+            });
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// A plain-HTTP GET (etcd's health endpoint), with a short timeout.
+async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client as HttpClient;
+    use hyper_util::rt::TokioExecutor;
+    let client = HttpClient::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let uri: hyper::Uri = format!("http://{addr}{path}")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let response = tokio::time::timeout(Duration::from_secs(2), client.get(uri))
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}

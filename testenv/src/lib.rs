@@ -1,0 +1,25 @@
+//! Real Kubernetes clusters for Strait's tests, without Docker.
+//!
+//! Each [`Cluster`] is etcd, kube-apiserver and kube-controller-manager built
+//! from Go modules (see `testenv/controlplane/`) and run as separate processes
+//! on free ports, with RBAC on and a service-account issuer, so TokenRequest and
+//! TokenReview behave as in production. Pods need no kubelet: [`workloads`]
+//! marks them Running/Ready through the status subresource and the real
+//! EndpointSlice controller publishes them.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let east = strait_testenv::Cluster::start("east").await?;
+//! let west = strait_testenv::Cluster::start("west").await?;
+//! let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(east.client());
+//! # Ok(()) }
+//! ```
+
+pub mod cluster;
+pub mod controlplane;
+pub mod kubeconfig;
+pub mod pki;
+pub mod process;
+pub mod workloads;
+
+pub use cluster::{Cluster, ClusterConfig, ClusterError};
