@@ -20,6 +20,7 @@ pub mod controlplane;
 pub mod kubeconfig;
 pub mod pki;
 pub mod process;
+pub mod wait;
 pub mod workloads;
 
 pub use cluster::{Cluster, ClusterConfig, ClusterError};
