@@ -162,10 +162,19 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     }
 }
 
-/// Whether a process with this pid exists (signal 0 probe).
+/// Whether a process with this pid exists and has not exited. A zombie (exited,
+/// not yet reaped by its parent) counts as gone.
 pub fn is_alive(pid: u32) -> bool {
     // SAFETY: kill(2) with signal 0 only checks for existence and permission.
-    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+    let exists = unsafe { libc::kill(pid as libc::pid_t, 0) == 0 };
+    exists && !is_zombie(pid)
+}
+
+fn is_zombie(pid: u32) -> bool {
+    // /proc/PID/stat: "pid (comm) state …"; comm may hold spaces, so split after ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
 }
 
 /// Sends SIGTERM to `pid`, waits up to `grace` for it to exit, then SIGKILLs it.

@@ -112,8 +112,14 @@ async fn up(
         config.service_cidr = format!("10.{}.0.0/16", 96 + i);
         config
     });
-    let clusters: Vec<Cluster> =
-        futures::future::try_join_all(configs.map(Cluster::start_with)).await?;
+    // Ctrl-C during start-up drops the half-started clusters, which stops them.
+    let clusters: Vec<Cluster> = tokio::select! {
+        started = futures::future::try_join_all(configs.map(Cluster::start_with)) => started?,
+        stop = wait_for_stop_signal() => {
+            stop?;
+            bail!("interrupted during start-up; nothing is left running");
+        }
+    };
     let elapsed = started.elapsed();
 
     let merged = kubeconfig::merge(clusters.iter().map(|c| c.kubeconfig().clone()));
