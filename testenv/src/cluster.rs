@@ -553,15 +553,13 @@ impl Drop for Cluster {
             }
         }
         self.stop_all();
-        if keep {
-            if let Some(dir) = self.dir.take() {
-                let path = dir.keep();
-                eprintln!(
-                    "[testenv] kept cluster {} files in {}",
-                    self.config.name,
-                    path.display()
-                );
-            }
+        if keep && let Some(dir) = self.dir.take() {
+            let path = dir.keep();
+            eprintln!(
+                "[testenv] kept cluster {} files in {}",
+                self.config.name,
+                path.display()
+            );
         }
     }
 }

@@ -173,7 +173,10 @@ pub fn is_alive(pid: u32) -> bool {
 fn is_zombie(pid: u32) -> bool {
     // /proc/PID/stat: "pid (comm) state …"; comm may hold spaces, so split after ')'.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .map(|stat| {
+            stat.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(false)
 }
 

@@ -1,0 +1,35 @@
+//! The binary starts and explains itself.
+
+use std::process::Command;
+
+#[test]
+fn answers_help_and_version() {
+    let help = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("--help")
+        .output()
+        .expect("run strait --help");
+    assert!(help.status.success(), "{help:?}");
+    let text = String::from_utf8_lossy(&help.stdout).to_lowercase();
+    assert!(text.contains("usage: strait"), "{text}");
+    assert!(
+        text.contains("link"),
+        "help should say what the binary is: {text}"
+    );
+
+    let version = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("--version")
+        .output()
+        .expect("run strait --version");
+    assert!(version.status.success(), "{version:?}");
+    assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
+}
+
+#[test]
+fn rejects_an_unknown_flag_with_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("--no-such-flag")
+        .output()
+        .expect("run strait");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
+}

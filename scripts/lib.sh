@@ -1,0 +1,55 @@
+# Shared by the scripts in this folder: make a fresh machine of this project's
+# kind ready (Rust, Go, kubectl, Debian packages), without asking.
+set -euo pipefail
+
+STRAIT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export STRAIT_ROOT
+
+say() { printf '\033[1m[strait]\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[31m[strait] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+# Debian packages the tests and the demo use. testenv installs what it needs
+# itself, so a fresh machine (or CI's clean clone) needs no manual step.
+APT_PACKAGES=(procps iproute2)
+
+bootstrap() {
+  command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"
+  command -v go >/dev/null || die "go not found: install Go 1.26 or newer (testenv builds the Kubernetes control plane with it)"
+  local go_minor
+  go_minor="$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')"
+  [[ "$go_minor" -ge 26 ]] || die "Go $(go env GOVERSION) is too old: the control plane (Kubernetes v1.36) needs Go 1.26 or newer"
+
+  local missing=()
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  if ((${#missing[@]})); then
+    say "installing Debian packages: ${missing[*]}"
+    if [[ $(id -u) -eq 0 ]]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+      sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+  fi
+  command -v kubectl >/dev/null || die "kubectl not found: it ships with machines of this kind; install kubectl 1.35–1.37 to match the test clusters (Kubernetes v1.36)"
+}
+
+# Builds (or finds in the cache) the control plane, with progress on stderr.
+build_control_plane() {
+  say "control plane: building or reusing the cached build (cache: ${STRAIT_CACHE_DIR:-~/.cache/strait})"
+  cargo build --quiet -p strait-testenv --bin strait-testenv
+  STRAIT_CONTROLPLANE_BIN="$("$STRAIT_ROOT/target/debug/strait-testenv" build)"
+  export STRAIT_CONTROLPLANE_BIN
+  say "control plane: $STRAIT_CONTROLPLANE_BIN ($("$STRAIT_CONTROLPLANE_BIN" version))"
+}
+
+# Fails if any control-plane process outlived the run (the no-orphans rule).
+check_no_orphans() {
+  local left
+  left="$(pgrep -f 'strait-controlplane (etcd|kube-apiserver|kube-controller-manager)' || true)"
+  if [[ -n "$left" ]]; then
+    ps -o pid,ppid,etime,args -p "$(echo "$left" | paste -sd,)" >&2 || true
+    die "control-plane processes were left running after the tests"
+  fi
+  say "no control-plane process left behind"
+}
