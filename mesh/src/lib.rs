@@ -5,4 +5,6 @@
 //! CLI all call the same code (see ARCHITECTURE.md).
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod identity;
 pub mod telemetry;

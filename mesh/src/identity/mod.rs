@@ -1,0 +1,12 @@
+//! Workload identity: SPIFFE IDs, certificates under one shared trust anchor,
+//! rustls configs for mutual TLS, the issuer protocol, and the client that keeps
+//! certificates fresh.
+
+pub mod ca;
+pub mod certs;
+pub mod client;
+pub mod protocol;
+mod spiffe;
+pub mod tls;
+
+pub use spiffe::{SpiffeId, SpiffeIdError};
