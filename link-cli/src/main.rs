@@ -1,6 +1,8 @@
 //! `strait`: the command people use to link clusters, check them and manage identities.
 #![forbid(unsafe_code)]
 
+mod identity;
+
 use clap::{Parser, Subcommand};
 use strait_mesh::telemetry::{LogFormat, init_tracing};
 
@@ -9,12 +11,7 @@ use strait_mesh::telemetry::{LogFormat, init_tracing};
 #[command(name = "strait", version)]
 struct Cli {
     /// Log format: plain or json (logs go to stderr; stdout stays pipeable).
-    #[arg(
-        long,
-        global = true,
-        env = "STRAIT_LOG_FORMAT",
-        default_value = "plain"
-    )]
+    #[arg(long, global = true, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -22,14 +19,28 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Trust anchor and issuer certificates: create, inspect, verify.
+    #[command(subcommand)]
+    Identity(identity::IdentityCommand),
     /// Print the version of this CLI.
     Version,
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format, "warn");
-    match cli.command {
-        Command::Version => println!("strait {}", env!("CARGO_PKG_VERSION")),
+    let result = match cli.command {
+        Command::Identity(command) => identity::run(command),
+        Command::Version => {
+            println!("strait {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
