@@ -53,9 +53,21 @@ pub struct ChildProcess {
 impl ChildProcess {
     /// Starts `program args…` with output appended to `log_path`.
     pub fn spawn(name: &str, program: &Path, args: &[String], log_path: &Path) -> io::Result<Self> {
+        Self::spawn_with_env(name, program, args, &[], log_path)
+    }
+
+    /// As [`ChildProcess::spawn`], with extra environment variables.
+    pub fn spawn_with_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &std::ffi::OsStr)],
+        log_path: &Path,
+    ) -> io::Result<Self> {
         let log = File::options().create(true).append(true).open(log_path)?;
         let mut cmd = Command::new(program);
         cmd.args(args)
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
