@@ -70,7 +70,8 @@ pub enum Format {
 }
 
 fn read(path: &Path, what: &str) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("read the {what} from {}", path.display()))
+    std::fs::read_to_string(path)
+        .with_context(|| format!("read the {what} from {}", path.display()))
 }
 
 fn write(dir: &Path, name: &str, contents: &str, secret: bool) -> anyhow::Result<PathBuf> {
@@ -91,16 +92,37 @@ fn write(dir: &Path, name: &str, contents: &str, secret: bool) -> anyhow::Result
 
 pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
     match command {
-        IdentityCommand::TrustAnchor { out_dir, validity, common_name } => {
+        IdentityCommand::TrustAnchor {
+            out_dir,
+            validity,
+            common_name,
+        } => {
             let anchor = ca::new_trust_anchor(&common_name, validity)?;
             let cert = write(&out_dir, "ca.crt", &anchor.cert_pem, false)?;
             let key = write(&out_dir, "ca.key", &anchor.key_pem, true)?;
-            eprintln!("trust anchor: {}\nkey (keep offline): {}", cert.display(), key.display());
+            eprintln!(
+                "trust anchor: {}\nkey (keep offline): {}",
+                cert.display(),
+                key.display()
+            );
             Ok(())
         }
-        IdentityCommand::Issuer { anchor_cert, anchor_key, cluster, validity, out_dir, output, namespace, trust_anchors } => {
-            let anchor = PemPair { cert_pem: read(&anchor_cert, "anchor certificate")?, key_pem: read(&anchor_key, "anchor key")? };
-            let issuer = ca::new_issuer(&anchor, &cluster, validity).context("refusing to make the issuer")?;
+        IdentityCommand::Issuer {
+            anchor_cert,
+            anchor_key,
+            cluster,
+            validity,
+            out_dir,
+            output,
+            namespace,
+            trust_anchors,
+        } => {
+            let anchor = PemPair {
+                cert_pem: read(&anchor_cert, "anchor certificate")?,
+                key_pem: read(&anchor_key, "anchor key")?,
+            };
+            let issuer = ca::new_issuer(&anchor, &cluster, validity)
+                .context("refusing to make the issuer")?;
             let bundle = match &trust_anchors {
                 Some(path) => read(path, "trust-anchor bundle")?,
                 None => anchor.cert_pem.clone(),
@@ -113,16 +135,25 @@ pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
                 &certs::parse_certs("trust-anchor bundle", bundle.as_bytes())?,
                 UnixTime::now(),
             )
-            .context("the --trust-anchors bundle does not contain the anchor that signed this issuer")?;
+            .context(
+                "the --trust-anchors bundle does not contain the anchor that signed this issuer",
+            )?;
             match (out_dir, output) {
                 (Some(dir), None) => {
                     write(&dir, "issuer.crt", &issuer.cert_pem, false)?;
                     write(&dir, "issuer.key", &issuer.key_pem, true)?;
                     write(&dir, "ca.crt", &bundle, false)?;
-                    eprintln!("issuer for {cluster}: {}/issuer.crt, issuer.key, ca.crt", dir.display());
+                    eprintln!(
+                        "issuer for {cluster}: {}/issuer.crt, issuer.key, ca.crt",
+                        dir.display()
+                    );
                 }
-                (None, Some(format)) => print!("{}", issuer_secret(&issuer, &bundle, &namespace, format)?),
-                _ => bail!("say where the issuer goes: --out-dir DIR, or -o yaml|json for a Secret"),
+                (None, Some(format)) => {
+                    print!("{}", issuer_secret(&issuer, &bundle, &namespace, format)?)
+                }
+                _ => {
+                    bail!("say where the issuer goes: --out-dir DIR, or -o yaml|json for a Secret")
+                }
             }
             Ok(())
         }
@@ -130,20 +161,35 @@ pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
             print!("{}", inspect(&read(&file, "certificate file")?)?);
             Ok(())
         }
-        IdentityCommand::Verify { issuer_cert, issuer_key, trust_anchors } => {
+        IdentityCommand::Verify {
+            issuer_cert,
+            issuer_key,
+            trust_anchors,
+        } => {
             let cert = read(&issuer_cert, "issuer certificate")?;
             let key = read(&issuer_key, "issuer key")?;
-            let anchors = certs::parse_certs("trust-anchor bundle", read(&trust_anchors, "trust-anchor bundle")?.as_bytes())?;
+            let anchors = certs::parse_certs(
+                "trust-anchor bundle",
+                read(&trust_anchors, "trust-anchor bundle")?.as_bytes(),
+            )?;
             let der = &certs::parse_certs("issuer certificate", cert.as_bytes())?[0];
             certs::validate_issuer("issuer certificate", der, &key, &anchors, UnixTime::now())?;
-            println!("ok: {} can issue under this trust-anchor bundle", issuer_cert.display());
+            println!(
+                "ok: {} can issue under this trust-anchor bundle",
+                issuer_cert.display()
+            );
             Ok(())
         }
     }
 }
 
 /// The Secret the issuer service mounts (`tls.crt`, `tls.key`, `ca.crt`).
-fn issuer_secret(issuer: &PemPair, bundle: &str, namespace: &str, format: Format) -> anyhow::Result<String> {
+fn issuer_secret(
+    issuer: &PemPair,
+    bundle: &str,
+    namespace: &str,
+    format: Format,
+) -> anyhow::Result<String> {
     use base64::Engine as _;
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     let secret = serde_json::json!({
@@ -188,7 +234,15 @@ pub fn inspect(pem: &str) -> anyhow::Result<String> {
             (false, _) => "leaf",
         };
         writeln!(out, "certificate #{} — {kind}", i + 1)?;
-        writeln!(out, "  subject:   {}", if info.subject.is_empty() { "(empty)" } else { &info.subject })?;
+        writeln!(
+            out,
+            "  subject:   {}",
+            if info.subject.is_empty() {
+                "(empty)"
+            } else {
+                &info.subject
+            }
+        )?;
         writeln!(out, "  issuer:    {}", info.issuer)?;
         writeln!(out, "  serial:    {}", info.serial)?;
         if let Some(id) = &info.spiffe_id {
@@ -197,9 +251,15 @@ pub fn inspect(pem: &str) -> anyhow::Result<String> {
         if !info.sans.is_empty() {
             writeln!(out, "  SANs:      {}", info.sans.join(", "))?;
         }
-        writeln!(out, "  validity:  {} → {} ({state})", info.not_before, info.not_after)?;
+        writeln!(
+            out,
+            "  validity:  {} → {} ({state})",
+            info.not_before, info.not_after
+        )?;
         // Chain: which certificate in this file signed this one.
-        let signer = infos.iter().position(|other| other.subject == info.issuer && other.is_ca);
+        let signer = infos
+            .iter()
+            .position(|other| other.subject == info.issuer && other.is_ca);
         match signer {
             Some(j) if j == i => writeln!(out, "  chain:     self-signed")?,
             Some(j) => writeln!(out, "  chain:     signed by certificate #{}", j + 1)?,

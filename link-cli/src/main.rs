@@ -11,7 +11,12 @@ use strait_mesh::telemetry::{LogFormat, init_tracing};
 #[command(name = "strait", version)]
 struct Cli {
     /// Log format: plain or json (logs go to stderr; stdout stays pipeable).
-    #[arg(long, global = true, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
+    #[arg(
+        long,
+        global = true,
+        env = "STRAIT_LOG_FORMAT",
+        default_value = "plain"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,

@@ -13,11 +13,11 @@ use k8s_openapi::api::core::v1::ServiceAccount;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::json;
+use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::ca::PemPair;
 use strait_mesh::identity::client::IssuerClient;
 use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
 use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
-use strait_mesh::identity::SpiffeId;
 use strait_testenv::Cluster;
 use strait_testenv::process::{ChildProcess, log_tail};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -25,7 +25,10 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 pub const ISSUER_DNS: &str = "strait-identity.strait-system.svc";
 
 pub fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
 }
 
 /// A running `strait-identity` process for one cluster.
@@ -41,7 +44,11 @@ pub struct RunningIssuer {
 impl Drop for RunningIssuer {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("──── strait-identity log ({}) ────\n{}", self.child.log_path().display(), log_tail(self.child.log_path(), 40));
+            eprintln!(
+                "──── strait-identity log ({}) ────\n{}",
+                self.child.log_path().display(),
+                log_tail(self.child.log_path(), 40)
+            );
         }
     }
 }
@@ -58,8 +65,14 @@ impl RunningIssuer {
 
 pub async fn http_get(addr: SocketAddr, path: &str) -> String {
     use tokio::io::AsyncReadExt;
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect admin");
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
     out
@@ -67,7 +80,13 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> String {
 
 /// Installs the issuer's RBAC from deploy/ with the stock kubectl, gives the
 /// issuer a kubeconfig holding only its own ServiceAccount's token, and starts it.
-pub async fn start_issuer(cluster: &Cluster, issuer: &PemPair, bundle_pem: &str, trust_domain: &str, validity: &str) -> RunningIssuer {
+pub async fn start_issuer(
+    cluster: &Cluster,
+    issuer: &PemPair,
+    bundle_pem: &str,
+    trust_domain: &str,
+    validity: &str,
+) -> RunningIssuer {
     let rbac = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/identity/rbac.yaml");
     let out = Command::new("kubectl")
         .arg("--kubeconfig")
@@ -75,16 +94,41 @@ pub async fn start_issuer(cluster: &Cluster, issuer: &PemPair, bundle_pem: &str,
         .args(["apply", "-f", rbac])
         .output()
         .expect("run kubectl");
-    assert!(out.status.success(), "kubectl apply rbac: {}", String::from_utf8_lossy(&out.stderr));
-    strait_testenv::workloads::wait_for_service_account(&cluster.client(), "strait-system", "strait-identity", Duration::from_secs(30))
-        .await
-        .unwrap();
-    let token = token(&cluster.client(), "strait-system", "strait-identity", &[], None).await;
+    assert!(
+        out.status.success(),
+        "kubectl apply rbac: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    strait_testenv::workloads::wait_for_service_account(
+        &cluster.client(),
+        "strait-system",
+        "strait-identity",
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let token = token(
+        &cluster.client(),
+        "strait-system",
+        "strait-identity",
+        &[],
+        None,
+    )
+    .await;
 
     let dir = tempfile::tempdir().unwrap();
     let path = |n: &str| dir.path().join(n);
-    let kubeconfig = strait_testenv::kubeconfig::with_token(cluster.name(), &cluster.server_url(), cluster.ca_pem(), &token);
-    std::fs::write(path("kubeconfig"), strait_testenv::kubeconfig::to_yaml(&kubeconfig).unwrap()).unwrap();
+    let kubeconfig = strait_testenv::kubeconfig::with_token(
+        cluster.name(),
+        &cluster.server_url(),
+        cluster.ca_pem(),
+        &token,
+    );
+    std::fs::write(
+        path("kubeconfig"),
+        strait_testenv::kubeconfig::to_yaml(&kubeconfig).unwrap(),
+    )
+    .unwrap();
     std::fs::write(path("tls.crt"), &issuer.cert_pem).unwrap();
     std::fs::write(path("tls.key"), &issuer.key_pem).unwrap();
     std::fs::write(path("ca.crt"), bundle_pem).unwrap();
@@ -105,7 +149,10 @@ pub async fn start_issuer(cluster: &Cluster, issuer: &PemPair, bundle_pem: &str,
         "strait-identity",
         std::path::Path::new(env!("CARGO_BIN_EXE_strait-identity")),
         &args,
-        &[("KUBECONFIG", kubeconfig_path.as_os_str()), ("RUST_LOG", std::ffi::OsStr::new("info"))],
+        &[
+            ("KUBECONFIG", kubeconfig_path.as_os_str()),
+            ("RUST_LOG", std::ffi::OsStr::new("info")),
+        ],
         &path("identity.log"),
     )
     .expect("spawn strait-identity");
@@ -120,31 +167,52 @@ pub async fn start_issuer(cluster: &Cluster, issuer: &PemPair, bundle_pem: &str,
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(status) = running.child.try_exit_status() {
-            panic!("strait-identity exited ({status}):\n{}", log_tail(running.child.log_path(), 30));
+            panic!(
+                "strait-identity exited ({status}):\n{}",
+                log_tail(running.child.log_path(), 30)
+            );
         }
-        if let Ok(Ok(mut s)) = tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(admin)).await {
+        if let Ok(Ok(mut s)) = tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::net::TcpStream::connect(admin),
+        )
+        .await
+        {
             use tokio::io::AsyncReadExt;
-            let _ = s.write_all(b"GET /ready HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await;
+            let _ = s
+                .write_all(b"GET /ready HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                .await;
             let mut out = String::new();
             let _ = s.read_to_string(&mut out).await;
             if out.starts_with("HTTP/1.1 200") {
                 return running;
             }
         }
-        assert!(tokio::time::Instant::now() < deadline, "strait-identity not ready:\n{}", log_tail(running.child.log_path(), 30));
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "strait-identity not ready:\n{}",
+            log_tail(running.child.log_path(), 30)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
 /// A token from the TokenRequest API; `audiences` empty means the API server's default.
-pub async fn token(client: &Client, ns: &str, sa: &str, audiences: &[&str], bound_pod: Option<(&str, &str)>) -> String {
+pub async fn token(
+    client: &Client,
+    ns: &str,
+    sa: &str,
+    audiences: &[&str],
+    bound_pod: Option<(&str, &str)>,
+) -> String {
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
     let mut spec = json!({"expirationSeconds": 3600});
     if !audiences.is_empty() {
         spec["audiences"] = json!(audiences);
     }
     if let Some((name, uid)) = bound_pod {
-        spec["boundObjectRef"] = json!({"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid});
+        spec["boundObjectRef"] =
+            json!({"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid});
     }
     let request: TokenRequest = serde_json::from_value(json!({"spec": spec})).unwrap();
     api.create_token_request(sa, &PostParams::default(), &request)
@@ -157,9 +225,16 @@ pub async fn token(client: &Client, ns: &str, sa: &str, audiences: &[&str], boun
 
 /// A Strait-audience token for `ns/sa`, creating the ServiceAccount if needed.
 pub async fn workload_token(client: &Client, ns: &str, sa: &str) -> String {
-    strait_testenv::workloads::ensure_namespace(client, ns).await.unwrap();
+    strait_testenv::workloads::ensure_namespace(client, ns)
+        .await
+        .unwrap();
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-    let _ = api.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": sa}})).unwrap()).await;
+    let _ = api
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": sa}})).unwrap(),
+        )
+        .await;
     token(client, ns, sa, &[TOKEN_AUDIENCE], None).await
 }
 
@@ -173,10 +248,14 @@ pub async fn spawn_mtls_server(bundle: &TrustBundle, cert: Arc<CertSlot>) -> Soc
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((tcp, _)) = listener.accept().await else { continue };
+            let Ok((tcp, _)) = listener.accept().await else {
+                continue;
+            };
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
-                let Ok(stream) = acceptor.accept(tcp).await else { return };
+                let Ok(stream) = acceptor.accept(tcp).await else {
+                    return;
+                };
                 let peer = tls::peer_identity(stream.get_ref().1.peer_certificates())
                     .map(|id| id.to_string())
                     .unwrap_or_else(|e| format!("error: {e}"));
@@ -200,17 +279,31 @@ pub async fn spawn_mtls_server(bundle: &TrustBundle, cert: Arc<CertSlot>) -> Soc
 pub struct MtlsConn {
     pub server_id: SpiffeId,
     pub seen_by_server: String,
-    lines: tokio::io::Lines<BufReader<tokio::io::ReadHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>>>,
+    lines: tokio::io::Lines<
+        BufReader<tokio::io::ReadHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>>,
+    >,
     writer: tokio::io::WriteHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
 }
 
-pub async fn connect(addr: SocketAddr, bundle: &TrustBundle, cert: Arc<CertSlot>, expected: &SpiffeId) -> Result<MtlsConn, String> {
-    let config = tls::client_config(bundle, cert, vec![expected.clone()], ALPN).map_err(|e| e.to_string())?;
+pub async fn connect(
+    addr: SocketAddr,
+    bundle: &TrustBundle,
+    cert: Arc<CertSlot>,
+    expected: &SpiffeId,
+) -> Result<MtlsConn, String> {
+    let config = tls::client_config(bundle, cert, vec![expected.clone()], ALPN)
+        .map_err(|e| e.to_string())?;
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
     let name = rustls::pki_types::ServerName::try_from("strait.peer").unwrap();
-    let stream = connector.connect(name, tcp).await.map_err(|e| e.to_string())?;
-    let server_id = tls::peer_identity(stream.get_ref().1.peer_certificates()).map_err(|e| e.to_string())?;
+    let stream = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let server_id =
+        tls::peer_identity(stream.get_ref().1.peer_certificates()).map_err(|e| e.to_string())?;
     let (r, writer) = tokio::io::split(stream);
     let mut lines = BufReader::new(r).lines();
     // TLS 1.3: a server that rejects our certificate says so on first read.
@@ -219,17 +312,29 @@ pub async fn connect(addr: SocketAddr, bundle: &TrustBundle, cert: Arc<CertSlot>
         .map_err(|_| "server said nothing".to_string())?
         .map_err(|e| e.to_string())?
         .ok_or("server closed the connection")?;
-    Ok(MtlsConn { server_id, seen_by_server, lines, writer })
+    Ok(MtlsConn {
+        server_id,
+        seen_by_server,
+        lines,
+        writer,
+    })
 }
 
 impl MtlsConn {
     pub async fn ping(&mut self, msg: &str) -> Result<(), String> {
-        self.writer.write_all(format!("{msg}\n").as_bytes()).await.map_err(|e| e.to_string())?;
+        self.writer
+            .write_all(format!("{msg}\n").as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
         let line = tokio::time::timeout(Duration::from_secs(5), self.lines.next_line())
             .await
             .map_err(|_| "no echo".to_string())?
             .map_err(|e| e.to_string())?
             .ok_or("closed")?;
-        if line == msg { Ok(()) } else { Err(format!("echo {line:?} != {msg:?}")) }
+        if line == msg {
+            Ok(())
+        } else {
+            Err(format!("echo {line:?} != {msg:?}"))
+        }
     }
 }
