@@ -514,3 +514,67 @@ async fn a_long_lived_connection_pool_keeps_working_across_one_minute_certificat
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_an_issuer_outage_the_valid_certificate_stays_and_refresh_retries() {
+    let (anchor, issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let east = Cluster::start("east").await.unwrap();
+    let mut ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "1m").await;
+    let metrics = IdentityMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let policy = RefreshPolicy {
+        min_backoff: Duration::from_millis(200),
+        max_backoff: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let web = ManagedIdentity::start(
+        ei.client(),
+        TokenSource::Static(workload_token(&east.client(), "shop", "web").await.into()),
+        None,
+        policy,
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
+    let first_expiry = web.expires_at();
+    let server = spawn_mtls_server(&ei.bundle, web.cert()).await;
+
+    ei.stop();
+    // Past the 70 % refresh point (42 s of 60): refreshes fail, the certificate stays.
+    tokio::time::sleep(Duration::from_secs(47)).await;
+    assert_eq!(
+        web.expires_at(),
+        first_expiry,
+        "no new certificate can have come"
+    );
+    connect(server, &ei.bundle, web.cert(), &web.id())
+        .await
+        .expect("the still-valid certificate keeps working");
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("identity_refresh_total{result=\"connect\"}"),
+        "failed refreshes are counted: {text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "identity_cert_expiration_timestamp_seconds{{identity=\"{}\"}} {first_expiry}",
+            web.id()
+        )),
+        "{text}"
+    );
+
+    ei.restart().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while web.expires_at() == first_expiry {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "refresh did not recover after the issuer came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    connect(server, &ei.bundle, web.cert(), &web.id())
+        .await
+        .expect("the refreshed certificate works");
+}

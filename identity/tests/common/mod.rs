@@ -38,7 +38,8 @@ pub struct RunningIssuer {
     pub bundle: TrustBundle,
     pub trust_domain: String,
     child: ChildProcess,
-    _dir: tempfile::TempDir,
+    args: Vec<String>,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for RunningIssuer {
@@ -54,6 +55,17 @@ impl Drop for RunningIssuer {
 }
 
 impl RunningIssuer {
+    /// Kills the issuer process (an outage).
+    pub fn stop(&mut self) {
+        self.child.stop(Duration::ZERO);
+    }
+
+    /// Starts it again on the same ports with the same files.
+    pub async fn restart(&mut self) {
+        self.child = spawn_issuer(&self.args, self.dir.path());
+        wait_ready(&mut self.child, self.admin).await;
+    }
+
     pub fn client(&self) -> IssuerClient {
         IssuerClient::new(&self.addr.to_string(), ISSUER_DNS, &self.bundle).expect("issuer client")
     }
@@ -144,32 +156,42 @@ pub async fn start_issuer(
         format!("--leaf-validity={validity}"),
         format!("--dns-name={ISSUER_DNS}"),
     ];
-    let kubeconfig_path = path("kubeconfig");
-    let child = ChildProcess::spawn_with_env(
-        "strait-identity",
-        std::path::Path::new(env!("CARGO_BIN_EXE_strait-identity")),
-        &args,
-        &[
-            ("KUBECONFIG", kubeconfig_path.as_os_str()),
-            ("RUST_LOG", std::ffi::OsStr::new("info")),
-        ],
-        &path("identity.log"),
-    )
-    .expect("spawn strait-identity");
+    let child = spawn_issuer(&args, dir.path());
     let mut running = RunningIssuer {
         addr,
         admin,
         bundle: TrustBundle::from_pem(bundle_pem.as_bytes()).unwrap(),
         trust_domain: trust_domain.to_string(),
         child,
-        _dir: dir,
+        args,
+        dir,
     };
+    wait_ready(&mut running.child, admin).await;
+    running
+}
+
+fn spawn_issuer(args: &[String], dir: &std::path::Path) -> ChildProcess {
+    let kubeconfig_path = dir.join("kubeconfig");
+    ChildProcess::spawn_with_env(
+        "strait-identity",
+        std::path::Path::new(env!("CARGO_BIN_EXE_strait-identity")),
+        args,
+        &[
+            ("KUBECONFIG", kubeconfig_path.as_os_str()),
+            ("RUST_LOG", std::ffi::OsStr::new("info")),
+        ],
+        &dir.join("identity.log"),
+    )
+    .expect("spawn strait-identity")
+}
+
+async fn wait_ready(child: &mut ChildProcess, admin: SocketAddr) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        if let Some(status) = running.child.try_exit_status() {
+        if let Some(status) = child.try_exit_status() {
             panic!(
                 "strait-identity exited ({status}):\n{}",
-                log_tail(running.child.log_path(), 30)
+                log_tail(child.log_path(), 30)
             );
         }
         if let Ok(Ok(mut s)) = tokio::time::timeout(
@@ -185,13 +207,13 @@ pub async fn start_issuer(
             let mut out = String::new();
             let _ = s.read_to_string(&mut out).await;
             if out.starts_with("HTTP/1.1 200") {
-                return running;
+                return;
             }
         }
         assert!(
             tokio::time::Instant::now() < deadline,
             "strait-identity not ready:\n{}",
-            log_tail(running.child.log_path(), 30)
+            log_tail(child.log_path(), 30)
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
