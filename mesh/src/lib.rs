@@ -7,4 +7,5 @@
 
 pub mod admin;
 pub mod identity;
+pub mod link;
 pub mod telemetry;

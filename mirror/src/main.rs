@@ -1,7 +1,12 @@
 //! `strait-mirror`: Service mirror controller: copies Services exported from linked clusters into this cluster.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use kube::CustomResourceExt;
+use strait_mesh::admin::{self, Readiness};
+use strait_mesh::link::Link;
 use strait_mesh::telemetry::{LogFormat, init_tracing};
 
 /// Service mirror controller: copies Services exported from linked clusters into this cluster.
@@ -14,14 +19,30 @@ struct Args {
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
 }
 
-fn main() -> std::process::ExitCode {
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the Link CustomResourceDefinition (YAML) and exit: `strait-mirror crd | kubectl apply -f -`.
+    Crd,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(Command::Crd) = args.command {
+        print!("{}", serde_yaml::to_string(&Link::crd())?);
+        return Ok(());
+    }
     init_tracing(args.log_format, "info");
-    tracing::error!(
-        admin_addr = %args.admin_addr,
-        "strait-mirror is not built yet: it arrives with issue #4"
-    );
-    std::process::ExitCode::from(2)
+    let client = kube::Client::try_default().await?;
+    let readiness = Readiness::default();
+    let registry = Arc::new(prometheus_client::registry::Registry::default());
+    let admin = admin::spawn(args.admin_addr, readiness.clone(), registry).await?;
+    tracing::info!(%admin, "mirror controller starting");
+    readiness.set_ready(true);
+    strait_mirror::run(client).await;
+    Ok(())
 }

@@ -14,7 +14,11 @@ use strait_testenv::Cluster;
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
         .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         .unwrap_or(0)
 }
@@ -24,8 +28,14 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = std::env::var("STRAIT_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
-    tokio::task::spawn_blocking(strait_testenv::controlplane::ensure_built).await.unwrap().expect("build");
+    let runs: usize = std::env::var("STRAIT_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    tokio::task::spawn_blocking(strait_testenv::controlplane::ensure_built)
+        .await
+        .unwrap()
+        .expect("build");
     let mut times = Vec::new();
     let mut last = None;
     for _ in 0..runs {

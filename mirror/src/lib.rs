@@ -1,0 +1,198 @@
+//! The service mirror controller: one process per cluster handles every Link.
+//!
+//! A kube-runtime controller reconciles `Link` objects: it keeps one worker per
+//! Link (restarted when the Link's spec or its credentials Secret changes) and
+//! a finalizer that removes the Link's mirrors before the Link goes away. Each
+//! worker ([`worker`]) watches its remote cluster and writes mirrors here.
+#![forbid(unsafe_code)]
+
+pub mod mirror;
+pub mod status;
+pub mod worker;
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use kube::api::ListParams;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{Controller, watcher};
+use kube::{Api, Client, ResourceExt};
+use strait_mesh::link::{CLUSTER_NAME_LABEL, LINK_FINALIZER, Link, MIRRORED_LABEL};
+use tokio::sync::{Mutex, watch};
+
+use crate::status::StatusReporter;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    #[error("removing mirrors of cluster {cluster}: {message}")]
+    Cleanup { cluster: String, message: String },
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+struct WorkerHandle {
+    fingerprint: u64,
+    stop: watch::Sender<bool>,
+}
+
+/// Shared by every reconcile.
+pub struct Context {
+    client: Client,
+    recorder: Recorder,
+    workers: Mutex<HashMap<String, WorkerHandle>>,
+}
+
+impl Context {
+    pub fn new(client: Client) -> Self {
+        let reporter = Reporter {
+            controller: "strait-mirror".into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            workers: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// Runs the controller until the future is dropped.
+pub async fn run(client: Client) {
+    let ctx = Arc::new(Context::new(client.clone()));
+    let links: Api<Link> = Api::all(client.clone());
+    let controller = Controller::new(links, watcher::Config::default());
+    let store = controller.store();
+    controller
+        // A changed credentials Secret restarts the Links that use it.
+        .watches(
+            Api::<Secret>::all(client),
+            watcher::Config::default(),
+            move |secret| {
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|l| {
+                        l.namespace() == secret.namespace()
+                            && l.spec.cluster_credentials_secret == secret.name_any()
+                    })
+                    .map(|l| ObjectRef::from_obj(&*l))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!("reconcile: {e}");
+            }
+        })
+        .await;
+}
+
+fn error_policy(link: Arc<Link>, error: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(link = %format!("{}/{}", link.namespace().unwrap_or_default(), link.name_any()), "{error}");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile(link: Arc<Link>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = link.namespace().unwrap_or_default();
+    let api: Api<Link> = Api::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, LINK_FINALIZER, link, |event| async {
+        match event {
+            Finalizer::Apply(link) => {
+                ensure_worker(&ctx, link).await?;
+                Ok(Action::requeue(Duration::from_secs(300)))
+            }
+            Finalizer::Cleanup(link) => {
+                stop_worker(&ctx, &key_of(&link)).await;
+                remove_all_mirrors(&ctx.client, &link.spec.target_cluster_name).await?;
+                tracing::info!(cluster = %link.spec.target_cluster_name, "link deleted: its mirrors are gone");
+                Ok(Action::await_change())
+            }
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+fn key_of(link: &Link) -> String {
+    format!(
+        "{}/{}",
+        link.namespace().unwrap_or_default(),
+        link.name_any()
+    )
+}
+
+async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
+    let key = key_of(&link);
+    let secret_version =
+        Api::<Secret>::namespaced(ctx.client.clone(), &link.namespace().unwrap_or_default())
+            .get_metadata_opt(&link.spec.cluster_credentials_secret)
+            .await?
+            .and_then(|m| m.metadata.resource_version);
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(&link.spec)
+        .unwrap_or_default()
+        .hash(&mut hasher);
+    secret_version.hash(&mut hasher);
+    let fingerprint = hasher.finish();
+
+    let mut workers = ctx.workers.lock().await;
+    if workers
+        .get(&key)
+        .is_some_and(|w| w.fingerprint == fingerprint)
+    {
+        return Ok(());
+    }
+    if let Some(old) = workers.remove(&key) {
+        let _ = old.stop.send(true);
+    }
+    tracing::info!(link = %key, cluster = %link.spec.target_cluster_name, "starting to mirror");
+    let (stop, stop_rx) = watch::channel(false);
+    let api: Api<Link> = Api::namespaced(ctx.client.clone(), &link.namespace().unwrap_or_default());
+    let reporter = StatusReporter::new(api, link.clone(), ctx.recorder.clone());
+    tokio::spawn(worker::run(
+        ctx.client.clone(),
+        (*link).clone(),
+        reporter,
+        stop_rx,
+    ));
+    workers.insert(key, WorkerHandle { fingerprint, stop });
+    Ok(())
+}
+
+async fn stop_worker(ctx: &Context, key: &str) {
+    if let Some(old) = ctx.workers.lock().await.remove(key) {
+        let _ = old.stop.send(true);
+    }
+}
+
+/// Deletes every mirror of `cluster`. Fails (and the finalizer retries) if any remain.
+pub async fn remove_all_mirrors(client: &Client, cluster: &str) -> Result<(), Error> {
+    let selector = format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={cluster}");
+    let list = Api::<Service>::all(client.clone())
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await?;
+    let mut failed = 0;
+    for m in list.items {
+        if !worker::delete_mirror(client, &m.namespace().unwrap_or_default(), &m.name_any()).await {
+            failed += 1;
+        }
+    }
+    if failed > 0 {
+        return Err(Error::Cleanup {
+            cluster: cluster.into(),
+            message: format!("{failed} mirrors could not be deleted yet"),
+        });
+    }
+    Ok(())
+}

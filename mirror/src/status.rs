@@ -1,0 +1,212 @@
+//! Link status: conditions (CredentialsValid, RemoteReachable, GatewayAlive),
+//! per-service mirror state, and Events. Written only when something changed.
+
+use std::sync::Arc;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Api, Resource};
+use serde_json::json;
+use strait_mesh::link::{Link, LinkStatus, ServiceMirrorStatus};
+use tokio::sync::Mutex;
+
+/// One condition's wanted state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkHealth {
+    pub condition: &'static str,
+    pub ok: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+impl LinkHealth {
+    pub fn credentials_ok() -> Self {
+        Self {
+            condition: "CredentialsValid",
+            ok: true,
+            reason: "Loaded".into(),
+            message: "credentials Secret loaded".into(),
+        }
+    }
+    pub fn credentials_invalid(message: &str) -> Self {
+        Self {
+            condition: "CredentialsValid",
+            ok: false,
+            reason: "InvalidCredentials".into(),
+            message: message.into(),
+        }
+    }
+    pub fn remote_ok() -> Self {
+        Self {
+            condition: "RemoteReachable",
+            ok: true,
+            reason: "Watching".into(),
+            message: "watching the remote API server".into(),
+        }
+    }
+    pub fn remote_unreachable(message: &str) -> Self {
+        Self {
+            condition: "RemoteReachable",
+            ok: false,
+            reason: "RemoteUnreachable".into(),
+            message: format!("{message}; mirrors are kept as they were, retrying"),
+        }
+    }
+}
+
+struct State {
+    conditions: Vec<Condition>,
+    services: Vec<ServiceMirrorStatus>,
+    last_written: Option<LinkStatus>,
+}
+
+/// Reports one Link's status. Cheap to clone.
+#[derive(Clone)]
+pub struct StatusReporter {
+    api: Api<Link>,
+    link: Arc<Link>,
+    recorder: Recorder,
+    state: Arc<Mutex<State>>,
+}
+
+impl StatusReporter {
+    pub fn new(api: Api<Link>, link: Arc<Link>, recorder: Recorder) -> Self {
+        let conditions = link
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default();
+        Self {
+            api,
+            link,
+            recorder,
+            state: Arc::new(Mutex::new(State {
+                conditions,
+                services: Vec::new(),
+                last_written: None,
+            })),
+        }
+    }
+
+    pub async fn set_health(&self, health: LinkHealth) {
+        let changed = {
+            let mut state = self.state.lock().await;
+            let status = if health.ok { "True" } else { "False" };
+            let existing = state
+                .conditions
+                .iter_mut()
+                .find(|c| c.type_ == health.condition);
+            match existing {
+                Some(c)
+                    if c.status == status
+                        && c.reason == health.reason
+                        && c.message == health.message =>
+                {
+                    false
+                }
+                Some(c) => {
+                    if c.status != status {
+                        c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::now());
+                    }
+                    c.status = status.into();
+                    c.reason = health.reason.clone();
+                    c.message = health.message.clone();
+                    c.observed_generation = self.link.metadata.generation;
+                    true
+                }
+                None => {
+                    state.conditions.push(Condition {
+                        type_: health.condition.into(),
+                        status: status.into(),
+                        reason: health.reason.clone(),
+                        message: health.message.clone(),
+                        last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
+                        observed_generation: self.link.metadata.generation,
+                    });
+                    true
+                }
+            }
+        };
+        if changed && !health.ok {
+            self.event(EventType::Warning, &health.reason, &health.message)
+                .await;
+        }
+        if changed {
+            self.flush().await;
+        }
+    }
+
+    pub async fn set_services(&self, mut services: Vec<ServiceMirrorStatus>) {
+        services.sort();
+        let new_failures: Vec<ServiceMirrorStatus> = {
+            let mut state = self.state.lock().await;
+            let fresh = services
+                .iter()
+                .filter(|s| !s.mirrored && !state.services.contains(s))
+                .cloned()
+                .collect();
+            state.services = services;
+            fresh
+        };
+        for failure in new_failures {
+            let note = format!(
+                "{}/{}: {}",
+                failure.namespace, failure.name, failure.message
+            );
+            self.event(EventType::Warning, &failure.reason, &note).await;
+        }
+        self.flush().await;
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: &str) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: "Mirror".into(),
+            secondary: None,
+        };
+        if let Err(e) = self
+            .recorder
+            .publish(&event, &self.link.object_ref(&()))
+            .await
+        {
+            tracing::debug!("publishing an Event failed: {e}");
+        }
+    }
+
+    async fn flush(&self) {
+        let mut state = self.state.lock().await;
+        let status = LinkStatus {
+            conditions: state.conditions.clone(),
+            mirrored_services: state.services.iter().filter(|s| s.mirrored).count() as u32,
+            // Only the services that need attention; the count covers the rest.
+            services: state
+                .services
+                .iter()
+                .filter(|s| !s.mirrored)
+                .cloned()
+                .collect(),
+            observed_generation: self.link.metadata.generation,
+        };
+        if state.last_written.as_ref() == Some(&status) {
+            return;
+        }
+        let name = self.link.metadata.name.clone().unwrap_or_default();
+        match self
+            .api
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"status": status})),
+            )
+            .await
+        {
+            Ok(_) => state.last_written = Some(status),
+            Err(e) => {
+                tracing::warn!(link = %name, "writing Link status failed (will retry on next change): {e}")
+            }
+        }
+    }
+}

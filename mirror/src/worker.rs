@@ -1,0 +1,474 @@
+//! One Link's mirroring: watch the remote cluster's exported Services and their
+//! EndpointSlices, and keep the local mirrors equal to what they should be.
+//!
+//! Writes are server-side apply under one field manager, and only when the
+//! desired object differs from what this worker last applied, so a steady
+//! state makes no API writes. Remote outages keep mirrors as they are.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use strait_mesh::link::{
+    CLUSTER_NAME_LABEL, Link, LinkSpec, MIRRORED_LABEL, ServiceMirrorStatus, selector_query,
+};
+use tokio::sync::{Notify, watch};
+
+use crate::mirror::{self, SERVICE_NAME_LABEL};
+use crate::status::{LinkHealth, StatusReporter};
+
+/// Field manager of every write.
+pub const FIELD_MANAGER: &str = "strait-mirror";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error(
+        "Secret {namespace}/{name} not found: create it with `strait link … | kubectl apply -f -`"
+    )]
+    Missing { namespace: String, name: String },
+    #[error("Secret {namespace}/{name} has no `kubeconfig` key")]
+    NoKubeconfig { namespace: String, name: String },
+    #[error("Secret {namespace}/{name}: kubeconfig is not valid: {message}")]
+    Invalid {
+        namespace: String,
+        name: String,
+        message: String,
+    },
+    #[error("reading Secret {namespace}/{name}: {source}")]
+    Read {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+}
+
+/// Builds a client for the remote cluster from the Link's credentials Secret.
+pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, CredentialsError> {
+    let namespace = link.namespace().unwrap_or_default();
+    let name = link.spec.cluster_credentials_secret.clone();
+    let err_ctx = (namespace.clone(), name.clone());
+    let secret = Api::<Secret>::namespaced(local.clone(), &namespace)
+        .get_opt(&name)
+        .await
+        .map_err(|source| CredentialsError::Read {
+            namespace: err_ctx.0.clone(),
+            name: err_ctx.1.clone(),
+            source,
+        })?
+        .ok_or_else(|| CredentialsError::Missing {
+            namespace: err_ctx.0.clone(),
+            name: err_ctx.1.clone(),
+        })?;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get("kubeconfig"))
+        .map(|b| b.0.clone())
+        .ok_or_else(|| CredentialsError::NoKubeconfig {
+            namespace: err_ctx.0.clone(),
+            name: err_ctx.1.clone(),
+        })?;
+    let invalid = |message: String| CredentialsError::Invalid {
+        namespace: err_ctx.0.clone(),
+        name: err_ctx.1.clone(),
+        message,
+    };
+    let text = String::from_utf8(bytes).map_err(|e| invalid(e.to_string()))?;
+    let kubeconfig =
+        kube::config::Kubeconfig::from_yaml(&text).map_err(|e| invalid(e.to_string()))?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .map_err(|e| invalid(e.to_string()))?;
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(330));
+    Client::try_from(config).map_err(|e| invalid(e.to_string()))
+}
+
+/// What was last applied, by (namespace, name): a hash of the object we sent.
+#[derive(Default)]
+struct Applied {
+    services: HashMap<(String, String), u64>,
+    slices: HashMap<(String, String), u64>,
+}
+
+fn hash_of<T: serde::Serialize>(value: &T) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(value)
+        .unwrap_or_default()
+        .hash(&mut h);
+    h.finish()
+}
+
+/// Runs until `stop` fires. Restarts its watches on credential or remote errors.
+pub async fn run(
+    local: Client,
+    link: Link,
+    status: StatusReporter,
+    mut stop: watch::Receiver<bool>,
+) {
+    let key = format!(
+        "{}/{}",
+        link.namespace().unwrap_or_default(),
+        link.name_any()
+    );
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let outcome = tokio::select! {
+            r = run_once(&local, &link, &status) => r,
+            _ = stop.changed() => return,
+        };
+        if let Err(message) = outcome {
+            tracing::warn!(link = %key, "mirroring interrupted: {message}; retrying in {backoff:?}");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}
+
+async fn run_once(local: &Client, link: &Link, status: &StatusReporter) -> Result<(), String> {
+    let spec = &link.spec;
+    let remote = match remote_client(local, link).await {
+        Ok(c) => c,
+        Err(e) => {
+            status
+                .set_health(LinkHealth::credentials_invalid(&e.to_string()))
+                .await;
+            return Err(e.to_string());
+        }
+    };
+    status.set_health(LinkHealth::credentials_ok()).await;
+    let Some(selector) = selector_query(&spec.selector) else {
+        // An empty selector matches nothing: remove every mirror of this Link.
+        status.set_health(LinkHealth::remote_ok()).await;
+        let mut applied = Applied::default();
+        let (no_services, _) = reflector::store::<Service>();
+        let (no_slices, _) = reflector::store::<EndpointSlice>();
+        sync(
+            local,
+            spec,
+            &no_services,
+            &no_slices,
+            &mut applied,
+            status,
+            true,
+        )
+        .await;
+        futures::future::pending::<()>().await;
+        return Ok(());
+    };
+
+    let notify = Arc::new(Notify::new());
+    let (svc_reader, svc_writer) = reflector::store::<Service>();
+    let (slice_reader, slice_writer) = reflector::store::<EndpointSlice>();
+    let services = watcher(
+        Api::<Service>::all(remote.clone()),
+        watcher::Config::default().labels(&selector),
+    );
+    // Only slices that belong to a Service; filtered to exported ones when syncing.
+    let slices = watcher(
+        Api::<EndpointSlice>::all(remote.clone()),
+        watcher::Config::default().labels(SERVICE_NAME_LABEL),
+    );
+    let (health_tx, mut health_rx) = tokio::sync::mpsc::channel::<Result<(), String>>(16);
+    let watch_task = |stream: futures::stream::BoxStream<'static, Result<(), watcher::Error>>| {
+        let (notify, health) = (notify.clone(), health_tx.clone());
+        tokio::spawn(async move {
+            let mut stream = stream;
+            while let Some(item) = stream.next().await {
+                let _ = health.try_send(item.map_err(|e| e.to_string()));
+                notify.notify_one();
+            }
+        })
+    };
+    let t1 = watch_task(
+        reflector::reflector(svc_writer, services)
+            .default_backoff()
+            .map(|r| r.map(|_| ()))
+            .boxed(),
+    );
+    let t2 = watch_task(
+        reflector::reflector(slice_writer, slices)
+            .default_backoff()
+            .map(|r| r.map(|_| ()))
+            .boxed(),
+    );
+    let _guard = AbortOnDrop(vec![t1, t2]);
+
+    // Wait for the first full list of both, then clean up orphans from before.
+    let ready = async {
+        svc_reader.wait_until_ready().await.ok();
+        slice_reader.wait_until_ready().await.ok();
+    };
+    tokio::select! {
+        _ = ready => {}
+        Some(Err(e)) = health_rx.recv() => {
+            status.set_health(LinkHealth::remote_unreachable(&e)).await;
+            // Keep waiting: the watcher retries by itself; mirrors stay as they are.
+            svc_reader.wait_until_ready().await.ok();
+            slice_reader.wait_until_ready().await.ok();
+        }
+    }
+    status.set_health(LinkHealth::remote_ok()).await;
+    let mut applied = Applied::default();
+    sync(
+        local,
+        spec,
+        &svc_reader,
+        &slice_reader,
+        &mut applied,
+        status,
+        true,
+    )
+    .await;
+    let mut remote_ok = true;
+    loop {
+        tokio::select! {
+            _ = notify.notified() => {
+                // Coalesce bursts (a deployment rollout touches many slices).
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                sync(local, spec, &svc_reader, &slice_reader, &mut applied, status, false).await;
+            }
+            Some(h) = health_rx.recv() => match h {
+                Ok(()) if !remote_ok => {
+                    remote_ok = true;
+                    status.set_health(LinkHealth::remote_ok()).await;
+                }
+                Err(e) if remote_ok => {
+                    remote_ok = false;
+                    tracing::warn!(cluster = %spec.target_cluster_name, "remote API unreachable: {e}; keeping mirrors");
+                    status.set_health(LinkHealth::remote_unreachable(&e)).await;
+                }
+                _ => {}
+            },
+            // Periodic pass: retries failed writes (a namespace created later, a conflict removed).
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {
+                sync(local, spec, &svc_reader, &slice_reader, &mut applied, status, false).await;
+            }
+        }
+    }
+}
+
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+fn gateway_ips(spec: &LinkSpec) -> Vec<IpAddr> {
+    spec.gateway_addresses
+        .iter()
+        .filter_map(|a| a.parse().ok())
+        .collect()
+}
+
+/// Brings local mirrors in line with the remote stores. `full` also removes
+/// local mirrors of this cluster that are no longer wanted even if this worker
+/// never applied them (orphans from before a restart).
+async fn sync(
+    local: &Client,
+    spec: &LinkSpec,
+    services: &Store<Service>,
+    slices: &Store<EndpointSlice>,
+    applied: &mut Applied,
+    status: &StatusReporter,
+    full: bool,
+) {
+    let cluster = &spec.target_cluster_name;
+    let mut slices_by_service: BTreeMap<(String, String), Vec<Arc<EndpointSlice>>> =
+        BTreeMap::new();
+    for slice in slices.state() {
+        if let (Some(ns), Some(svc)) = (
+            slice.namespace(),
+            slice.labels().get(SERVICE_NAME_LABEL).cloned(),
+        ) {
+            slices_by_service.entry((ns, svc)).or_default().push(slice);
+        }
+    }
+    let ips = gateway_ips(spec);
+    let mut wanted: BTreeSet<(String, String)> = BTreeSet::new();
+    let mut report = Vec::new();
+    for remote in services.state() {
+        let Some(desired) = mirror::mirror_service(&remote, spec) else {
+            continue;
+        };
+        let (ns, name) = (desired.namespace().unwrap_or_default(), desired.name_any());
+        wanted.insert((ns.clone(), name.clone()));
+        let key = (remote.namespace().unwrap_or_default(), remote.name_any());
+        let empty = Vec::new();
+        let remote_slices: Vec<&EndpointSlice> = slices_by_service
+            .get(&key)
+            .unwrap_or(&empty)
+            .iter()
+            .map(|s| s.as_ref())
+            .collect();
+        let ready = mirror::has_ready_endpoints(&remote_slices);
+        let slice = mirror::mirror_endpoint_slice(&desired, spec, &ips, ready);
+        match apply_mirror(local, &desired, slice.as_ref(), applied).await {
+            Ok(()) => report.push(ServiceMirrorStatus {
+                namespace: key.0,
+                name: key.1,
+                mirrored: true,
+                reason: String::new(),
+                message: String::new(),
+            }),
+            Err((reason, message)) => {
+                tracing::warn!(cluster = %cluster, service = %format!("{}/{}", key.0, key.1), "{message}");
+                report.push(ServiceMirrorStatus {
+                    namespace: key.0,
+                    name: key.1,
+                    mirrored: false,
+                    reason: reason.into(),
+                    message,
+                });
+            }
+        }
+    }
+    // Remove mirrors no longer wanted.
+    let stale: Vec<(String, String)> = if full {
+        match list_local_mirrors(local, cluster).await {
+            Ok(all) => all.into_iter().filter(|k| !wanted.contains(k)).collect(),
+            Err(e) => {
+                tracing::warn!(cluster = %cluster, "listing local mirrors failed: {e}");
+                Vec::new()
+            }
+        }
+    } else {
+        applied
+            .services
+            .keys()
+            .filter(|k| !wanted.contains(*k))
+            .cloned()
+            .collect()
+    };
+    for (ns, name) in stale {
+        if delete_mirror(local, &ns, &name).await {
+            applied.services.remove(&(ns.clone(), name.clone()));
+            applied.slices.remove(&(ns, name));
+        }
+    }
+    status.set_services(report).await;
+}
+
+async fn list_local_mirrors(local: &Client, cluster: &str) -> kube::Result<Vec<(String, String)>> {
+    let selector = format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={cluster}");
+    let list = Api::<Service>::all(local.clone())
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|m| (m.namespace().unwrap_or_default(), m.name_any()))
+        .collect())
+}
+
+/// Deletes a mirror Service and its EndpointSlice. True when both are gone.
+pub async fn delete_mirror(local: &Client, ns: &str, name: &str) -> bool {
+    let svc = Api::<Service>::namespaced(local.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await;
+    let slice = Api::<EndpointSlice>::namespaced(local.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await;
+    fn gone<T>(r: &Result<T, kube::Error>) -> bool {
+        match r {
+            Ok(_) => true,
+            Err(kube::Error::Api(e)) => e.code == 404,
+            Err(_) => false,
+        }
+    }
+    let ok = gone(&svc) && gone(&slice);
+    if ok {
+        tracing::info!(service = %format!("{ns}/{name}"), "mirror removed");
+    }
+    ok
+}
+
+async fn apply_mirror(
+    local: &Client,
+    service: &Service,
+    slice: Option<&EndpointSlice>,
+    applied: &mut Applied,
+) -> Result<(), (&'static str, String)> {
+    let (ns, name) = (service.namespace().unwrap_or_default(), service.name_any());
+    let key = (ns.clone(), name.clone());
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let svc_hash = hash_of(service);
+    if applied.services.get(&key) != Some(&svc_hash) {
+        let api = Api::<Service>::namespaced(local.clone(), &ns);
+        if !applied.services.contains_key(&key) {
+            // Never take over a Service that is not ours.
+            match api.get_opt(&name).await {
+                Ok(Some(existing))
+                    if existing.labels().get(MIRRORED_LABEL).map(String::as_str)
+                        != Some("true") =>
+                {
+                    return Err((
+                        "NameConflict",
+                        format!(
+                            "a local Service {ns}/{name} that is not a mirror exists; rename it or exclude the remote Service"
+                        ),
+                    ));
+                }
+                Ok(_) => {}
+                Err(e) => return Err(("ApiError", format!("reading Service {ns}/{name}: {e}"))),
+            }
+        }
+        let body = with_type_meta(service, "v1", "Service");
+        match api.patch(&name, &params, &Patch::Apply(&body)).await {
+            Ok(_) => {
+                applied.services.insert(key.clone(), svc_hash);
+                tracing::info!(service = %format!("{ns}/{name}"), "mirror service applied");
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                return Err((
+                    "NamespaceMissing",
+                    format!("namespace {ns} does not exist here; create it to receive the mirror"),
+                ));
+            }
+            Err(e) => return Err(("ApiError", format!("applying Service {ns}/{name}: {e}"))),
+        }
+    }
+    if let Some(slice) = slice {
+        let slice_hash = hash_of(slice);
+        if applied.slices.get(&key) != Some(&slice_hash) {
+            let body = with_type_meta(slice, "discovery.k8s.io/v1", "EndpointSlice");
+            Api::<EndpointSlice>::namespaced(local.clone(), &ns)
+                .patch(&name, &params, &Patch::Apply(&body))
+                .await
+                .map_err(|e| {
+                    (
+                        "ApiError",
+                        format!("applying EndpointSlice {ns}/{name}: {e}"),
+                    )
+                })?;
+            applied.slices.insert(key, slice_hash);
+        }
+    }
+    Ok(())
+}
+
+fn with_type_meta<T: serde::Serialize>(
+    obj: &T,
+    api_version: &str,
+    kind: &str,
+) -> serde_json::Value {
+    let mut value = serde_json::to_value(obj).unwrap_or_default();
+    value["apiVersion"] = api_version.into();
+    value["kind"] = kind.into();
+    value
+}

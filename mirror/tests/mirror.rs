@@ -1,0 +1,518 @@
+//! The mirror controller against real API servers: east mirrors what west exports.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+use strait_mesh::link::Link;
+use strait_testenv::wait::eventually;
+use strait_testenv::workloads::{
+    TestPod, create_node, create_ready_pod, ensure_namespace, set_pod_ready,
+};
+use strait_testenv::{Cluster, kubeconfig};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn from_json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).expect("test manifest")
+}
+
+async fn install_crd(client: &Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.patch(
+        "links.multicluster.strait.dev",
+        &PatchParams::apply("test").force(),
+        &Patch::Apply(Link::crd()),
+    )
+    .await
+    .expect("install the Link CRD");
+    eventually("the Link CRD to be established", WAIT, || async {
+        let crd = crds
+            .get("links.multicluster.strait.dev")
+            .await
+            .map_err(|e| e.to_string())?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        if established {
+            Ok(())
+        } else {
+            Err("not established".into())
+        }
+    })
+    .await;
+}
+
+/// Secret with a kubeconfig for `remote`, and a Link named after `cluster_name`.
+async fn link(local: &Client, remote: &Cluster, cluster_name: &str, secret: Option<&str>) {
+    ensure_namespace(local, "strait-multicluster")
+        .await
+        .unwrap();
+    let secret_name = format!("cluster-credentials-{cluster_name}");
+    if let Some(kc) = secret {
+        let secrets: Api<Secret> = Api::namespaced(local.clone(), "strait-multicluster");
+        secrets
+            .create(
+                &PostParams::default(),
+                &from_json(
+                    json!({"metadata": {"name": secret_name}, "stringData": {"kubeconfig": kc}}),
+                ),
+            )
+            .await
+            .unwrap();
+    }
+    let _ = remote;
+    let links: Api<Link> = Api::namespaced(local.clone(), "strait-multicluster");
+    links
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "apiVersion": "multicluster.strait.dev/v1alpha1", "kind": "Link",
+                "metadata": {"name": cluster_name},
+                "spec": {
+                    "targetClusterName": cluster_name,
+                    "clusterCredentialsSecret": secret_name,
+                    "gatewayAddresses": ["10.77.0.1", "10.77.0.2"],
+                    "gatewayIdentity": format!("spiffe://{cluster_name}.strait/ns/strait-system/sa/strait-gateway"),
+                    "excludedLabels": ["internal.example.com/*"],
+                },
+            })),
+        )
+        .await
+        .expect("create Link");
+}
+
+fn admin_kubeconfig(cluster: &Cluster) -> String {
+    kubeconfig::to_yaml(cluster.kubeconfig()).unwrap()
+}
+
+async fn export_web(west: &Client, ns: &str) {
+    ensure_namespace(west, ns).await.unwrap();
+    create_node(west, "w-node-1", "10.20.0.1".parse().unwrap())
+        .await
+        .unwrap();
+    let services: Api<Service> = Api::namespaced(west.clone(), ns);
+    services
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "metadata": {"name": "web", "labels": {"app": "web", "strait.dev/exported": "true", "internal.example.com/team": "a"},
+                             "annotations": {"docs": "yes"}},
+                "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+            })),
+        )
+        .await
+        .unwrap();
+    create_ready_pod(
+        west,
+        &TestPod::new(ns, "web-0", "w-node-1", "10.244.9.1".parse().unwrap())
+            .with_label("app", "web")
+            .with_port("http", 8080),
+    )
+    .await
+    .unwrap();
+}
+
+async fn mirror_slice(east: &Client, ns: &str, name: &str) -> Result<EndpointSlice, String> {
+    Api::<EndpointSlice>::namespaced(east.clone(), ns)
+        .get(name)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn ready(slice: &EndpointSlice) -> Vec<bool> {
+    slice
+        .endpoints
+        .iter()
+        .flatten()
+        .map(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and_unlink() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "shop").await.unwrap();
+    export_web(&wc, "shop").await;
+    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    let mirror = eventually("mirror web-west in east", WAIT, || async {
+        services.get("web-west").await.map_err(|e| e.to_string())
+    })
+    .await;
+    let labels = mirror.labels();
+    assert_eq!(
+        labels
+            .get("strait.dev/mirrored-service")
+            .map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(
+        labels.get("strait.dev/cluster-name").map(String::as_str),
+        Some("west")
+    );
+    assert_eq!(labels.get("app").map(String::as_str), Some("web"));
+    assert!(
+        !labels.contains_key("internal.example.com/team"),
+        "excluded label copied: {labels:?}"
+    );
+    assert!(
+        !labels.contains_key("strait.dev/exported"),
+        "a mirror must not look exported: {labels:?}"
+    );
+    assert_eq!(
+        mirror
+            .annotations()
+            .get("strait.dev/remote-svc-fq-name")
+            .map(String::as_str),
+        Some("web.shop.svc.cluster.local")
+    );
+    assert_eq!(
+        mirror.annotations().get("docs").map(String::as_str),
+        Some("yes")
+    );
+    let spec = mirror.spec.clone().unwrap();
+    assert!(spec.selector.is_none());
+    assert_eq!(spec.ports.unwrap()[0].port, 80);
+
+    let slice = eventually("mirror EndpointSlice ready", WAIT, || async {
+        let s = mirror_slice(&ec, "shop", "web-west").await?;
+        if ready(&s) == vec![true, true] {
+            Ok(s)
+        } else {
+            Err(format!("ready = {:?}", ready(&s)))
+        }
+    })
+    .await;
+    let addrs: Vec<String> = slice
+        .endpoints
+        .iter()
+        .flatten()
+        .flat_map(|e| e.addresses.clone())
+        .collect();
+    assert_eq!(
+        addrs,
+        vec!["10.77.0.1".to_string(), "10.77.0.2".to_string()]
+    );
+    assert_eq!(slice.ports.as_ref().unwrap()[0].port, Some(4143));
+    assert_eq!(
+        slice
+            .labels()
+            .get("kubernetes.io/service-name")
+            .map(String::as_str),
+        Some("web-west")
+    );
+    assert_eq!(
+        slice
+            .annotations()
+            .get("strait.dev/gateway-identity")
+            .map(String::as_str),
+        Some("spiffe://west.strait/ns/strait-system/sa/strait-gateway")
+    );
+
+    // No ready endpoint in west → mirror endpoints not ready.
+    set_pod_ready(
+        &wc,
+        "shop",
+        "web-0",
+        "10.244.9.1".parse().unwrap(),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
+    eventually("mirror endpoints to turn not ready", WAIT, || async {
+        let s = mirror_slice(&ec, "shop", "web-west").await?;
+        if ready(&s) == vec![false, false] {
+            Ok(())
+        } else {
+            Err(format!("ready = {:?}", ready(&s)))
+        }
+    })
+    .await;
+
+    // Port edit follows.
+    let west_services: Api<Service> = Api::namespaced(wc.clone(), "shop");
+    west_services
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"ports": [{"name": "http", "port": 8081, "targetPort": 8080}]}}),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually("mirror port 8081", WAIT, || async {
+        let s = services.get("web-west").await.map_err(|e| e.to_string())?;
+        let port = s.spec.and_then(|s| s.ports).map(|p| p[0].port);
+        if port == Some(8081) {
+            Ok(())
+        } else {
+            Err(format!("port {port:?}"))
+        }
+    })
+    .await;
+
+    // Link status reports it.
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    eventually("Link status", WAIT, || async {
+        let l = links.get("west").await.map_err(|e| e.to_string())?;
+        let st = l.status.ok_or("no status")?;
+        let cred = st
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "CredentialsValid" && c.status == "True");
+        let remote = st
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "RemoteReachable" && c.status == "True");
+        if cred && remote && st.mirrored_services == 1 {
+            Ok(())
+        } else {
+            Err(format!("{st:?}"))
+        }
+    })
+    .await;
+
+    // Unexport → mirror gone.
+    west_services
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"strait.dev/exported": null}}})),
+        )
+        .await
+        .unwrap();
+    eventually("mirror removed after unexport", WAIT, || async {
+        match services
+            .get_opt("web-west")
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            None if mirror_slice(&ec, "shop", "web-west").await.is_err() => Ok(()),
+            _ => Err("still there".into()),
+        }
+    })
+    .await;
+
+    // Re-export, then delete the Link → mirrors gone, Link gone (finalizer done).
+    west_services
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"strait.dev/exported": "true"}}})),
+        )
+        .await
+        .unwrap();
+    eventually("mirror back after re-export", WAIT, || async {
+        services
+            .get("web-west")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    links
+        .delete("west", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("Link and its mirrors gone", WAIT, || async {
+        let link_gone = links
+            .get_opt("west")
+            .await
+            .map_err(|e| e.to_string())?
+            .is_none();
+        let mirror_gone = services
+            .get_opt("web-west")
+            .await
+            .map_err(|e| e.to_string())?
+            .is_none();
+        if link_gone && mirror_gone {
+            Ok(())
+        } else {
+            Err(format!("link gone {link_gone}, mirror gone {mirror_gone}"))
+        }
+    })
+    .await;
+    controller.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_overwritten() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "shop").await.unwrap();
+    export_web(&wc, "shop").await;
+    // A local, non-mirror Service already named like a mirror of the second link.
+    let local_services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    local_services
+        .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "web-west2", "labels": {"owner": "me"}}, "spec": {"ports": [{"port": 1}]}})))
+        .await
+        .unwrap();
+    // And an export into a namespace east does not have.
+    ensure_namespace(&wc, "only-west").await.unwrap();
+    Api::<Service>::namespaced(wc.clone(), "only-west")
+        .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "api", "labels": {"strait.dev/exported": "true"}}, "spec": {"ports": [{"port": 9}]}})))
+        .await
+        .unwrap();
+
+    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    link(&ec, &west, "broken", None).await; // its Secret does not exist
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, &west, "west2", Some(&admin_kubeconfig(&west))).await;
+
+    eventually(
+        "the healthy link mirrors despite the broken one",
+        WAIT,
+        || async {
+            local_services
+                .get("web-west")
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    let condition = eventually("broken link reports its credentials", WAIT, || async {
+        let l = links.get("broken").await.map_err(|e| e.to_string())?;
+        l.status
+            .and_then(|s| {
+                s.conditions
+                    .into_iter()
+                    .find(|c| c.type_ == "CredentialsValid" && c.status == "False")
+            })
+            .ok_or_else(|| "no CredentialsValid=False yet".to_string())
+    })
+    .await;
+    assert!(
+        condition.message.contains("cluster-credentials-broken")
+            && condition.message.contains("strait link"),
+        "{}",
+        condition.message
+    );
+
+    // The conflict: never overwritten, reported on the Link.
+    let status = eventually(
+        "west2 reports the conflict and the missing namespace",
+        WAIT,
+        || async {
+            let st = links
+                .get("west2")
+                .await
+                .map_err(|e| e.to_string())?
+                .status
+                .ok_or("no status")?;
+            let reasons: Vec<&str> = st.services.iter().map(|s| s.reason.as_str()).collect();
+            if reasons.contains(&"NameConflict") && reasons.contains(&"NamespaceMissing") {
+                Ok(st)
+            } else {
+                Err(format!("{st:?}"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(status.mirrored_services, 0);
+    let untouched = local_services.get("web-west2").await.unwrap();
+    assert_eq!(
+        untouched.labels().get("owner").map(String::as_str),
+        Some("me")
+    );
+    assert!(
+        !untouched
+            .labels()
+            .contains_key("strait.dev/mirrored-service")
+    );
+
+    // Fixing the broken Link's Secret makes it work without a restart.
+    Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")
+        .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "cluster-credentials-broken"}, "stringData": {"kubeconfig": admin_kubeconfig(&west)}})))
+        .await
+        .unwrap();
+    eventually("the repaired link mirrors", WAIT, || async {
+        local_services
+            .get("web-broken")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+
+    // The missing namespace appears: the mirror follows (failed writes are retried).
+    ensure_namespace(&ec, "only-west").await.unwrap();
+    let in_new_ns: Api<Service> = Api::namespaced(ec.clone(), "only-west");
+    eventually("mirror in the namespace created later", WAIT, || async {
+        in_new_ns
+            .get("api-west")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    controller.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_steady_state_the_controller_writes_nothing() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "shop").await.unwrap();
+    export_web(&wc, "shop").await;
+    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    eventually("mirror ready", WAIT, || async {
+        let s = mirror_slice(&ec, "shop", "web-west").await?;
+        if ready(&s).iter().all(|r| *r) {
+            Ok(())
+        } else {
+            Err("not ready".into())
+        }
+    })
+    .await;
+    // Let the first status writes settle, then record versions across two periodic passes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    let versions = || async {
+        let mut v = BTreeMap::new();
+        v.insert(
+            "service",
+            services.get("web-west").await.unwrap().resource_version(),
+        );
+        v.insert(
+            "slice",
+            mirror_slice(&ec, "shop", "web-west")
+                .await
+                .unwrap()
+                .resource_version(),
+        );
+        v.insert("link", links.get("west").await.unwrap().resource_version());
+        v
+    };
+    let before = versions().await;
+    tokio::time::sleep(Duration::from_secs(22)).await;
+    assert_eq!(
+        before,
+        versions().await,
+        "objects were rewritten at steady state"
+    );
+    controller.abort();
+}
