@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod identity;
+mod link;
 
 use clap::{Parser, Subcommand};
 use strait_mesh::telemetry::{LogFormat, init_tracing};
@@ -27,8 +28,19 @@ enum Command {
     /// Trust anchor and issuer certificates: create, inspect, verify.
     #[command(subcommand)]
     Identity(identity::IdentityCommand),
+    /// Link a TARGET cluster: prints the Secret and Link to apply to the SOURCE cluster
+    /// (`strait link --context west --cluster-name west | kubectl --context east apply -f -`).
+    Link(link::LinkArgs),
+    /// Remove a Link, its credentials, its mirrors, and (with --target-context) its access on the target.
+    Unlink(link::UnlinkArgs),
     /// Print the version of this CLI.
     Version,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,6 +48,10 @@ fn main() -> std::process::ExitCode {
     init_tracing(cli.log_format, "warn");
     let result = match cli.command {
         Command::Identity(command) => identity::run(command),
+        Command::Link(args) => runtime()
+            .and_then(|rt| rt.block_on(link::link(args)))
+            .map(|out| print!("{out}")),
+        Command::Unlink(args) => runtime().and_then(|rt| rt.block_on(link::unlink(args))),
         Command::Version => {
             println!("strait {}", env!("CARGO_PKG_VERSION"));
             Ok(())

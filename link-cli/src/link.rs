@@ -1,0 +1,408 @@
+//! `strait link` and `strait unlink`.
+//!
+//! `strait link` runs against the TARGET cluster (the one whose services will be
+//! mirrored). There it ensures a ServiceAccount that may only read Services and
+//! EndpointSlices and request tokens for itself, gets an expiring token through
+//! the TokenRequest API, and prints what the SOURCE cluster needs: a Namespace,
+//! the credentials Secret (a kubeconfig) and the Link.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use base64::Engine as _;
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use strait_mesh::link::{CLUSTER_NAME_LABEL, Link, LinkSpec, MIRRORED_LABEL};
+
+use crate::identity::Format;
+
+/// Namespace of Links and credentials on the source, and of link access objects on the target.
+pub const LINK_NAMESPACE: &str = "strait-multicluster";
+/// ClusterRole on the target that link ServiceAccounts are bound to.
+pub const READER_ROLE: &str = "strait-link-reader";
+const FIELD_MANAGER: &str = "strait-cli";
+
+#[derive(Debug, clap::Args)]
+pub struct LinkArgs {
+    /// Kubeconfig file (default: $KUBECONFIG or ~/.kube/config).
+    #[arg(long, global = true)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Context of the TARGET cluster (whose services will be mirrored).
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Name the source cluster will know the target by; mirrors are `<svc>-<name>`.
+    #[arg(long)]
+    pub cluster_name: String,
+    /// DNS domain of the target cluster.
+    #[arg(long, default_value = "cluster.local")]
+    pub cluster_domain: String,
+    /// Gateway addresses (IPs or hostnames); default: from the target's strait-gateway Service.
+    #[arg(long, value_delimiter = ',')]
+    pub gateway_addresses: Vec<String>,
+    /// Gateway port; default: from the target's strait-gateway Service, else 4143.
+    #[arg(long)]
+    pub gateway_port: Option<u16>,
+    /// Gateway SPIFFE ID; default: from the target's strait-gateway Service annotation.
+    #[arg(long)]
+    pub gateway_identity: Option<String>,
+    /// Lifetime of the link token; the mirror controller renews it before it expires.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub token_ttl: Duration,
+    /// Server URL the source cluster should use for the target's API (default: the kubeconfig's).
+    #[arg(long)]
+    pub api_server_address: Option<String>,
+    #[arg(short, long, value_enum, default_value = "yaml")]
+    pub output: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UnlinkArgs {
+    /// Kubeconfig file (default: $KUBECONFIG or ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Context of the SOURCE cluster (where the Link and mirrors live).
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Context of the TARGET cluster, to remove the link's access objects there too.
+    #[arg(long)]
+    pub target_context: Option<String>,
+    /// The linked cluster's name.
+    #[arg(long)]
+    pub cluster_name: String,
+}
+
+fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
+    match path {
+        Some(p) => {
+            Kubeconfig::read_from(p).with_context(|| format!("read kubeconfig {}", p.display()))
+        }
+        None => Kubeconfig::read().context("read the kubeconfig ($KUBECONFIG or ~/.kube/config)"),
+    }
+}
+
+async fn client_for(
+    kubeconfig: &Kubeconfig,
+    context: &Option<String>,
+) -> anyhow::Result<(Client, kube::Config)> {
+    let options = KubeConfigOptions {
+        context: context.clone(),
+        ..Default::default()
+    };
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig.clone(), &options)
+        .await
+        .with_context(|| {
+            format!(
+                "use context {:?}",
+                context.as_deref().unwrap_or("(current)")
+            )
+        })?;
+    Ok((Client::try_from(config.clone())?, config))
+}
+
+fn service_account_name(cluster_name: &str) -> String {
+    format!("strait-link-{cluster_name}")
+}
+
+async fn apply<K>(api: &Api<K>, name: &str, value: serde_json::Value) -> anyhow::Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(value),
+    )
+    .await
+    .with_context(|| format!("apply {name}"))?;
+    Ok(())
+}
+
+/// Ensures the target-side access objects; returns the ServiceAccount name.
+pub async fn ensure_remote_access(target: &Client, cluster_name: &str) -> anyhow::Result<String> {
+    let sa = service_account_name(cluster_name);
+    let labels = json!({"app.kubernetes.io/part-of": "strait", CLUSTER_NAME_LABEL: cluster_name});
+    apply(&Api::<Namespace>::all(target.clone()), LINK_NAMESPACE, json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LINK_NAMESPACE, "labels": {"app.kubernetes.io/part-of": "strait"}},
+    }))
+    .await?;
+    apply(&Api::<ServiceAccount>::namespaced(target.clone(), LINK_NAMESPACE), &sa, json!({
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": LINK_NAMESPACE, "labels": labels},
+    }))
+    .await?;
+    apply(&Api::<ClusterRole>::all(target.clone()), READER_ROLE, json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": READER_ROLE, "labels": {"app.kubernetes.io/part-of": "strait"}},
+        "rules": [
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        ],
+    }))
+    .await?;
+    apply(&Api::<ClusterRoleBinding>::all(target.clone()), &sa, json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": sa, "labels": labels},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": READER_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": LINK_NAMESPACE}],
+    }))
+    .await?;
+    // May request tokens for itself, and for nobody else.
+    apply(&Api::<Role>::namespaced(target.clone(), LINK_NAMESPACE), &sa, json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": sa, "namespace": LINK_NAMESPACE, "labels": labels},
+        "rules": [{"apiGroups": [""], "resources": ["serviceaccounts/token"], "resourceNames": [sa], "verbs": ["create"]}],
+    }))
+    .await?;
+    apply(
+        &Api::<RoleBinding>::namespaced(target.clone(), LINK_NAMESPACE),
+        &sa,
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": sa, "namespace": LINK_NAMESPACE, "labels": labels},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": LINK_NAMESPACE}],
+        }),
+    )
+    .await?;
+    Ok(sa)
+}
+
+/// An expiring token for the link ServiceAccount (never a legacy Secret token).
+pub async fn request_token(target: &Client, sa: &str, ttl: Duration) -> anyhow::Result<String> {
+    let request: TokenRequest =
+        serde_json::from_value(json!({"spec": {"expirationSeconds": ttl.as_secs()}}))?;
+    Api::<ServiceAccount>::namespaced(target.clone(), LINK_NAMESPACE)
+        .create_token_request(sa, &PostParams::default(), &request)
+        .await
+        .context("TokenRequest for the link ServiceAccount")?
+        .status
+        .and_then(|s| s.token)
+        .context("TokenRequest returned no token")
+}
+
+/// A kubeconfig that reaches `server` with `token`, trusting `ca_pem_b64` (base64 PEM, kubeconfig style).
+pub fn token_kubeconfig(
+    cluster_name: &str,
+    server: &str,
+    ca_pem_b64: Option<&str>,
+    token: &str,
+) -> serde_json::Value {
+    let mut cluster = json!({"server": server});
+    if let Some(ca) = ca_pem_b64 {
+        cluster["certificate-authority-data"] = json!(ca);
+    }
+    json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": cluster_name, "cluster": cluster}],
+        "users": [{"name": format!("strait-link-{cluster_name}"), "user": {"token": token}}],
+        "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": format!("strait-link-{cluster_name}")}}],
+        "current-context": cluster_name,
+    })
+}
+
+/// Gateway defaults from the target's `strait-system/strait-gateway` Service.
+async fn gateway_defaults(target: &Client) -> (Vec<String>, Option<u16>, Option<String>) {
+    let Ok(Some(svc)) = Api::<Service>::namespaced(target.clone(), "strait-system")
+        .get_opt("strait-gateway")
+        .await
+    else {
+        return (Vec::new(), None, None);
+    };
+    let mut addresses: Vec<String> = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|i| i.ip.or(i.hostname))
+        .collect();
+    addresses.extend(
+        svc.spec
+            .as_ref()
+            .and_then(|s| s.external_ips.clone())
+            .unwrap_or_default(),
+    );
+    let port = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .and_then(|ports| {
+            ports
+                .iter()
+                .find(|p| p.protocol.as_deref() != Some("UDP") && p.port == 4143)
+                .or(ports.first())
+        })
+        .and_then(|p| u16::try_from(p.port).ok());
+    let identity = svc
+        .annotations()
+        .get("strait.dev/gateway-identity")
+        .cloned();
+    (addresses, port, identity)
+}
+
+pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
+    let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
+    let (target, config) = client_for(&kubeconfig, &args.context).await?;
+    let sa = ensure_remote_access(&target, &args.cluster_name).await?;
+    let token = request_token(&target, &sa, args.token_ttl).await?;
+
+    let server = args.api_server_address.clone().unwrap_or_else(|| {
+        config
+            .cluster_url
+            .to_string()
+            .trim_end_matches('/')
+            .to_string()
+    });
+    let ca = config.root_cert.as_ref().map(|ders| {
+        let pem: String = ders
+            .iter()
+            .map(|der| {
+                let body = base64::engine::general_purpose::STANDARD.encode(der);
+                let lines: Vec<&str> = body
+                    .as_bytes()
+                    .chunks(64)
+                    .map(|c| std::str::from_utf8(c).unwrap_or(""))
+                    .collect();
+                format!(
+                    "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+                    lines.join("\n")
+                )
+            })
+            .collect();
+        base64::engine::general_purpose::STANDARD.encode(pem)
+    });
+    let remote_kubeconfig = token_kubeconfig(&args.cluster_name, &server, ca.as_deref(), &token);
+
+    let (default_addrs, default_port, default_identity) = gateway_defaults(&target).await;
+    let gateway_addresses = if args.gateway_addresses.is_empty() {
+        default_addrs
+    } else {
+        args.gateway_addresses.clone()
+    };
+    if gateway_addresses.is_empty() {
+        eprintln!(
+            "warning: no gateway address given or found (strait-system/strait-gateway): mirrors will have no endpoints until --gateway-addresses is set on the Link"
+        );
+    }
+    let gateway_identity = args
+        .gateway_identity
+        .clone()
+        .or(default_identity)
+        .unwrap_or_else(|| "spiffe://cluster.local/ns/strait-system/sa/strait-gateway".to_string());
+    let secret_name = format!("cluster-credentials-{}", args.cluster_name);
+    let spec: LinkSpec = serde_json::from_value(json!({
+        "targetClusterName": args.cluster_name,
+        "targetClusterDomain": args.cluster_domain,
+        "clusterCredentialsSecret": secret_name,
+        "gatewayAddresses": gateway_addresses,
+        "gatewayPort": args.gateway_port.or(default_port).unwrap_or(4143),
+        "gatewayIdentity": gateway_identity,
+    }))?;
+    let docs = vec![
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LINK_NAMESPACE}}),
+        json!({
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret_name, "namespace": LINK_NAMESPACE,
+                         "labels": {CLUSTER_NAME_LABEL: args.cluster_name, "app.kubernetes.io/part-of": "strait"}},
+            "stringData": {"kubeconfig": serde_yaml::to_string(&remote_kubeconfig)?},
+        }),
+        json!({
+            "apiVersion": "multicluster.strait.dev/v1alpha1", "kind": "Link",
+            "metadata": {"name": args.cluster_name, "namespace": LINK_NAMESPACE},
+            "spec": spec,
+        }),
+    ];
+    Ok(match args.output {
+        Format::Yaml => docs
+            .iter()
+            .map(serde_yaml::to_string)
+            .collect::<Result<Vec<_>, _>>()?
+            .join("---\n"),
+        Format::Json => {
+            serde_json::to_string_pretty(
+                &json!({"apiVersion": "v1", "kind": "List", "items": docs}),
+            )? + "\n"
+        }
+    })
+}
+
+pub async fn unlink(args: UnlinkArgs) -> anyhow::Result<()> {
+    let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
+    let (source, _) = client_for(&kubeconfig, &args.context).await?;
+    let name = &args.cluster_name;
+    let links: Api<Link> = Api::namespaced(source.clone(), LINK_NAMESPACE);
+    let found = links.get_opt(name).await.context("read the Link")?;
+    if found.is_none() && args.target_context.is_none() {
+        bail!(
+            "no Link {LINK_NAMESPACE}/{name} in this cluster: check --context and --cluster-name"
+        );
+    }
+    if found.is_some() {
+        links
+            .delete(name, &DeleteParams::default())
+            .await
+            .context("delete the Link")?;
+        // The controller's finalizer removes the mirrors; wait for it, briefly.
+        for _ in 0..100 {
+            if links.get_opt(name).await?.is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if links.get_opt(name).await?.is_some() {
+            eprintln!(
+                "warning: the Link is still terminating (is strait-mirror running?); its mirrors go when it finishes"
+            );
+        }
+    }
+    // Mirrors left without a controller (none running) go too.
+    let selector = format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={name}");
+    for svc in Api::<Service>::all(source.clone())
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let ns = svc.namespace().unwrap_or_default();
+        let _ = Api::<Service>::namespaced(source.clone(), &ns)
+            .delete(&svc.name_any(), &DeleteParams::default())
+            .await;
+        let _ =
+            Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::namespaced(source.clone(), &ns)
+                .delete(&svc.name_any(), &DeleteParams::default())
+                .await;
+    }
+    let _ = Api::<Secret>::namespaced(source.clone(), LINK_NAMESPACE)
+        .delete(
+            &format!("cluster-credentials-{name}"),
+            &DeleteParams::default(),
+        )
+        .await;
+    eprintln!("unlinked {name} from the source cluster");
+    if let Some(target_context) = &args.target_context {
+        let (target, _) = client_for(&kubeconfig, &Some(target_context.clone())).await?;
+        let sa = service_account_name(name);
+        let dp = DeleteParams::default();
+        let _ = Api::<RoleBinding>::namespaced(target.clone(), LINK_NAMESPACE)
+            .delete(&sa, &dp)
+            .await;
+        let _ = Api::<Role>::namespaced(target.clone(), LINK_NAMESPACE)
+            .delete(&sa, &dp)
+            .await;
+        let _ = Api::<ClusterRoleBinding>::all(target.clone())
+            .delete(&sa, &dp)
+            .await;
+        let _ = Api::<ServiceAccount>::namespaced(target.clone(), LINK_NAMESPACE)
+            .delete(&sa, &dp)
+            .await;
+        eprintln!(
+            "removed the link's access (ServiceAccount {LINK_NAMESPACE}/{sa} and its bindings) from the target"
+        );
+    }
+    Ok(())
+}

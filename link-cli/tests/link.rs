@@ -1,0 +1,226 @@
+//! `strait link … | kubectl apply -f -` with the stock kubectl, on real clusters,
+//! and `strait unlink` taking everything away again.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Secret, Service, ServiceAccount};
+use kube::Api;
+use kube::api::{ListParams, PostParams};
+use serde_json::json;
+use strait_mesh::link::Link;
+use strait_testenv::wait::eventually;
+use strait_testenv::workloads::ensure_namespace;
+use strait_testenv::{Cluster, kubeconfig};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn kubectl(kc: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kc)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the stock kubectl");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn claims(jwt: &str) -> serde_json::Value {
+    use base64::Engine as _;
+    let payload = jwt.split('.').nth(1).expect("a JWT");
+    serde_json::from_slice(
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(payload)
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("kubeconfig");
+    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
+    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
+
+    // Install the committed CRD with kubectl; run the controller on east.
+    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
+    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
+    kubectl(
+        &kc,
+        &[
+            "--context",
+            "east",
+            "wait",
+            "--for=condition=Established",
+            "crd/links.multicluster.strait.dev",
+        ],
+        None,
+    );
+    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+
+    ensure_namespace(&ec, "shop").await.unwrap();
+    ensure_namespace(&wc, "shop").await.unwrap();
+    Api::<Service>::namespaced(wc.clone(), "shop")
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"metadata": {"name": "web", "labels": {"strait.dev/exported": "true"}},
+                "spec": {"ports": [{"name": "http", "port": 80}]}}),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+
+    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("link")
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .args([
+            "--context",
+            "west",
+            "--cluster-name",
+            "west",
+            "--gateway-addresses",
+            "10.77.0.1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "strait link: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let manifests = String::from_utf8(out.stdout).unwrap();
+    kubectl(
+        &kc,
+        &["--context", "east", "apply", "-f", "-"],
+        Some(&manifests),
+    );
+
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    eventually("mirror web-west via strait link", WAIT, || async {
+        services
+            .get("web-west")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+
+    // The credentials: an expiring TokenRequest token of a least-privilege ServiceAccount.
+    let secret = Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")
+        .get("cluster-credentials-west")
+        .await
+        .unwrap();
+    let kubeconfig_text = String::from_utf8(secret.data.unwrap()["kubeconfig"].0.clone()).unwrap();
+    let remote_kc: serde_yaml::Value = serde_yaml::from_str(&kubeconfig_text).unwrap();
+    let token = remote_kc["users"][0]["user"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let c = claims(&token);
+    let lifetime = c["exp"].as_i64().unwrap() - c["iat"].as_i64().unwrap();
+    assert!(
+        (23 * 3600..=24 * 3600).contains(&lifetime),
+        "token lifetime {lifetime}s, expected 24 h"
+    );
+    assert_eq!(
+        c["sub"],
+        "system:serviceaccount:strait-multicluster:strait-link-west"
+    );
+    let as_link = west.client_with_token(&token).await.unwrap();
+    Api::<Service>::all(as_link.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("may list services");
+    let secrets = Api::<Secret>::all(as_link.clone())
+        .list(&ListParams::default())
+        .await;
+    assert!(
+        matches!(secrets, Err(kube::Error::Api(ref e)) if e.code == 403),
+        "must not read secrets: {secrets:?}"
+    );
+    // No legacy, non-expiring token Secret was made on the target.
+    let legacy = Api::<Secret>::namespaced(wc.clone(), "strait-multicluster")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        legacy
+            .items
+            .iter()
+            .all(|s| s.type_.as_deref() != Some("kubernetes.io/service-account-token"))
+    );
+
+    // Unlink: the Link, its Secret and mirrors on east; the access objects on west.
+    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("unlink")
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .args([
+            "--context",
+            "east",
+            "--target-context",
+            "west",
+            "--cluster-name",
+            "west",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "strait unlink: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    assert!(links.get_opt("west").await.unwrap().is_none());
+    assert!(
+        services.get_opt("web-west").await.unwrap().is_none(),
+        "mirror left after unlink"
+    );
+    assert!(
+        Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")
+            .get_opt("cluster-credentials-west")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        Api::<ServiceAccount>::namespaced(wc.clone(), "strait-multicluster")
+            .get_opt("strait-link-west")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        matches!(
+            Api::<Service>::all(as_link).list(&ListParams::default()).await,
+            Err(kube::Error::Api(ref e)) if e.code == 401 || e.code == 403
+        ),
+        "the old token must stop working once its ServiceAccount is gone"
+    );
+    controller.abort();
+}
