@@ -78,7 +78,7 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
         ],
         None,
     );
-    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
 
     ensure_namespace(&ec, "shop").await.unwrap();
     ensure_namespace(&wc, "shop").await.unwrap();
@@ -222,5 +222,124 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
         ),
         "the old token must stop working once its ServiceAccount is gone"
     );
+    controller.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_renews_the_link_token_before_it_expires() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("kubeconfig");
+    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
+    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
+    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
+    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
+    kubectl(
+        &kc,
+        &[
+            "--context",
+            "east",
+            "wait",
+            "--for=condition=Established",
+            "crd/links.multicluster.strait.dev",
+        ],
+        None,
+    );
+    // Renew after 1 % of a 10-minute token (the API server's shortest): ~6 s.
+    let controller = tokio::spawn(strait_mirror::run(
+        ec.clone(),
+        strait_mirror::MirrorConfig {
+            token_renew_at: 0.01,
+        },
+    ));
+    ensure_namespace(&ec, "shop").await.unwrap();
+    ensure_namespace(&wc, "shop").await.unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .arg("link")
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .args([
+            "--context",
+            "west",
+            "--cluster-name",
+            "west",
+            "--token-ttl",
+            "10m",
+            "--gateway-addresses",
+            "10.77.0.1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "strait link: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    kubectl(
+        &kc,
+        &["--context", "east", "apply", "-f", "-"],
+        Some(&String::from_utf8(out.stdout).unwrap()),
+    );
+
+    let secrets: Api<Secret> = Api::namespaced(ec.clone(), "strait-multicluster");
+    let token_now = || async {
+        let s = secrets
+            .get("cluster-credentials-west")
+            .await
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8(s.data.unwrap()["kubeconfig"].0.clone())
+            .map_err(|e| e.to_string())?;
+        let kc: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| e.to_string())?;
+        Ok::<String, String>(
+            kc["users"][0]["user"]["token"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        )
+    };
+    let first = token_now().await.unwrap();
+    let renewed = eventually(
+        "the controller to renew the token",
+        Duration::from_secs(40),
+        || async {
+            let t = token_now().await?;
+            if t != first {
+                Ok(t)
+            } else {
+                Err("same token".into())
+            }
+        },
+    )
+    .await;
+    let (a, b) = (claims(&first), claims(&renewed));
+    assert_eq!(a["sub"], b["sub"], "renewed for the same ServiceAccount");
+    assert!(
+        b["exp"].as_i64() > a["exp"].as_i64(),
+        "the renewed token lives longer"
+    );
+
+    // The link works on the renewed token: a service exported now is mirrored.
+    Api::<Service>::namespaced(wc.clone(), "shop")
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"metadata": {"name": "late", "labels": {"strait.dev/exported": "true"}},
+                "spec": {"ports": [{"port": 81}]}}),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    eventually("mirror after renewal", WAIT, || async {
+        services
+            .get("late-west")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
     controller.abort();
 }

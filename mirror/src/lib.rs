@@ -8,6 +8,7 @@
 
 pub mod mirror;
 pub mod status;
+pub mod token;
 pub mod worker;
 
 use std::collections::HashMap;
@@ -44,20 +45,37 @@ struct WorkerHandle {
     stop: watch::Sender<bool>,
 }
 
+/// Controller settings.
+#[derive(Clone, Copy, Debug)]
+pub struct MirrorConfig {
+    /// Fraction of a link token's lifetime after which it is renewed.
+    pub token_renew_at: f64,
+}
+
+impl Default for MirrorConfig {
+    fn default() -> Self {
+        Self {
+            token_renew_at: 0.7,
+        }
+    }
+}
+
 /// Shared by every reconcile.
 pub struct Context {
+    config: MirrorConfig,
     client: Client,
     recorder: Recorder,
     workers: Mutex<HashMap<String, WorkerHandle>>,
 }
 
 impl Context {
-    pub fn new(client: Client) -> Self {
+    pub fn new(client: Client, config: MirrorConfig) -> Self {
         let reporter = Reporter {
             controller: "strait-mirror".into(),
             instance: std::env::var("POD_NAME").ok(),
         };
         Self {
+            config,
             recorder: Recorder::new(client.clone(), reporter),
             client,
             workers: Mutex::new(HashMap::new()),
@@ -66,8 +84,8 @@ impl Context {
 }
 
 /// Runs the controller until the future is dropped.
-pub async fn run(client: Client) {
-    let ctx = Arc::new(Context::new(client.clone()));
+pub async fn run(client: Client, config: MirrorConfig) {
+    let ctx = Arc::new(Context::new(client.clone(), config));
     let links: Api<Link> = Api::all(client.clone());
     let controller = Controller::new(links, watcher::Config::default());
     let store = controller.store();
@@ -164,6 +182,7 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
         ctx.client.clone(),
         (*link).clone(),
         reporter,
+        ctx.config,
         stop_rx,
     ));
     workers.insert(key, WorkerHandle { fingerprint, stop });

@@ -16,6 +16,9 @@ struct Args {
     /// Address of the admin server (`/live`, `/ready`, `/metrics`).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
     admin_addr: std::net::SocketAddr,
+    /// Renew link tokens after this fraction of their lifetime.
+    #[arg(long, default_value_t = 0.7)]
+    token_renew_at: f64,
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
@@ -43,6 +46,12 @@ async fn main() -> anyhow::Result<()> {
     let admin = admin::spawn(args.admin_addr, readiness.clone(), registry).await?;
     tracing::info!(%admin, "mirror controller starting");
     readiness.set_ready(true);
-    strait_mirror::run(client).await;
+    strait_mirror::run(
+        client,
+        strait_mirror::MirrorConfig {
+            token_renew_at: args.token_renew_at,
+        },
+    )
+    .await;
     Ok(())
 }

@@ -113,6 +113,7 @@ pub async fn run(
     local: Client,
     link: Link,
     status: StatusReporter,
+    config: crate::MirrorConfig,
     mut stop: watch::Receiver<bool>,
 ) {
     let key = format!(
@@ -123,7 +124,7 @@ pub async fn run(
     let mut backoff = Duration::from_millis(500);
     loop {
         let outcome = tokio::select! {
-            r = run_once(&local, &link, &status) => r,
+            r = run_once(&local, &link, &status, config) => r,
             _ = stop.changed() => return,
         };
         if let Err(message) = outcome {
@@ -137,7 +138,12 @@ pub async fn run(
     }
 }
 
-async fn run_once(local: &Client, link: &Link, status: &StatusReporter) -> Result<(), String> {
+async fn run_once(
+    local: &Client,
+    link: &Link,
+    status: &StatusReporter,
+    config: crate::MirrorConfig,
+) -> Result<(), String> {
     let spec = &link.spec;
     let remote = match remote_client(local, link).await {
         Ok(c) => c,
@@ -149,6 +155,13 @@ async fn run_once(local: &Client, link: &Link, status: &StatusReporter) -> Resul
         }
     };
     status.set_health(LinkHealth::credentials_ok()).await;
+    let renewer = tokio::spawn(crate::token::keep_fresh(
+        local.clone(),
+        remote.clone(),
+        link.clone(),
+        config.token_renew_at,
+    ));
+    let _renewer = AbortOnDrop(vec![renewer]);
     let Some(selector) = selector_query(&spec.selector) else {
         // An empty selector matches nothing: remove every mirror of this Link.
         status.set_health(LinkHealth::remote_ok()).await;

@@ -145,7 +145,7 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
     install_crd(&ec).await;
     ensure_namespace(&ec, "shop").await.unwrap();
     export_web(&wc, "shop").await;
-    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
@@ -372,7 +372,7 @@ async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_over
         .await
         .unwrap();
 
-    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, &west, "broken", None).await; // its Secret does not exist
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
     link(&ec, &west, "west2", Some(&admin_kubeconfig(&west))).await;
@@ -476,7 +476,7 @@ async fn at_steady_state_the_controller_writes_nothing() {
     install_crd(&ec).await;
     ensure_namespace(&ec, "shop").await.unwrap();
     export_web(&wc, "shop").await;
-    let controller = tokio::spawn(strait_mirror::run(ec.clone()));
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     eventually("mirror ready", WAIT, || async {
