@@ -273,6 +273,8 @@ pub async fn spawn_mtls_server(bundle: &TrustBundle, cert: Arc<CertSlot>) -> Soc
             let Ok((tcp, _)) = listener.accept().await else {
                 continue;
             };
+            // Small writes must not wait for delayed ACKs (40 ms each).
+            let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
                 let Ok(stream) = acceptor.accept(tcp).await else {
@@ -319,6 +321,7 @@ pub async fn connect(
     let tcp = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| e.to_string())?;
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
     let name = rustls::pki_types::ServerName::try_from("strait.peer").unwrap();
     let stream = connector
         .connect(name, tcp)
