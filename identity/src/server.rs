@@ -33,6 +33,7 @@ pub async fn serve(
                 continue;
             }
         };
+        let _ = tcp.set_nodelay(true);
         let (acceptor, service) = (acceptor.clone(), service.clone());
         tokio::spawn(async move {
             let work = async {

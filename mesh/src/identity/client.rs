@@ -181,6 +181,7 @@ impl IssuerClient {
                 addr: self.addr.clone(),
                 source,
             })?;
+        let _ = tcp.set_nodelay(true);
         let tls = self
             .tls
             .connect(self.server_name.clone(), tcp)
