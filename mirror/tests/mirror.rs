@@ -516,3 +516,83 @@ async fn at_steady_state_the_controller_writes_nothing() {
     );
     controller.abort();
 }
+
+async fn condition(links: &Api<Link>, name: &str, type_: &str) -> Option<(String, String)> {
+    let l = links.get(name).await.ok()?;
+    l.status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status, c.message))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, mut west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "shop").await.unwrap();
+    export_web(&wc, "shop").await;
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    eventually("mirror", WAIT, || async {
+        services
+            .get("web-west")
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+
+    west.stop_apiserver();
+    let (_, message) = eventually("RemoteReachable=False", Duration::from_secs(60), || async {
+        match condition(&links, "west", "RemoteReachable").await {
+            Some((s, m)) if s == "False" => Ok(((), m)),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(message.contains("mirrors are kept"), "{message}");
+    // Nothing was deleted while the remote was away.
+    services
+        .get("web-west")
+        .await
+        .expect("mirror kept during the outage");
+    mirror_slice(&ec, "shop", "web-west")
+        .await
+        .expect("endpoints kept during the outage");
+
+    west.start_apiserver().await.unwrap();
+    // A service exported while we were disconnected-then-reconnected shows up: the watch resynced.
+    Api::<Service>::namespaced(wc.clone(), "shop")
+        .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "after", "labels": {"strait.dev/exported": "true"}}, "spec": {"ports": [{"port": 82}]}})))
+        .await
+        .unwrap();
+    eventually(
+        "resync after the remote returns",
+        Duration::from_secs(60),
+        || async {
+            services
+                .get("after-west")
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    eventually("RemoteReachable=True again", WAIT, || async {
+        match condition(&links, "west", "RemoteReachable").await {
+            Some((s, _)) if s == "True" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    services
+        .get("web-west")
+        .await
+        .expect("the original mirror is still there");
+    controller.abort();
+}
