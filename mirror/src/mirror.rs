@@ -240,3 +240,99 @@ mod tests {
         );
     }
 }
+
+/// Label on per-pod mirrors naming the headless mirror they belong to.
+pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
+
+/// A Service without a cluster IP (StatefulSets): mirrored per pod, as Linkerd does.
+pub fn is_headless(remote: &Service) -> bool {
+    remote.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()) == Some("None")
+}
+
+/// Hostnames of the remote endpoints (StatefulSet pods) and whether each is ready.
+pub fn remote_hostnames(slices: &[&EndpointSlice]) -> Vec<(String, bool)> {
+    let mut seen: BTreeMap<String, bool> = BTreeMap::new();
+    for e in slices.iter().flat_map(|s| s.endpoints.iter().flatten()) {
+        if let Some(h) = &e.hostname {
+            let ready = e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+            *seen.entry(h.clone()).or_insert(false) |= ready;
+        }
+    }
+    seen.into_iter().collect()
+}
+
+/// The per-pod mirror `<hostname>-<cluster>`: a ClusterIP Service whose
+/// endpoints are the gateway, addressed to `<hostname>.<svc>.<ns>.svc.<domain>`.
+pub fn endpoint_mirror_service(
+    remote: &Service,
+    hostname: &str,
+    link: &LinkSpec,
+) -> Option<Service> {
+    let mut svc = mirror_service(remote, link)?;
+    let (name, namespace) = (
+        remote.metadata.name.clone()?,
+        remote.metadata.namespace.clone()?,
+    );
+    let cluster = &link.target_cluster_name;
+    svc.metadata.name = Some(mirror_name(hostname, cluster));
+    svc.metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(HEADLESS_OWNER_LABEL.into(), mirror_name(&name, cluster));
+    svc.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(
+            REMOTE_FQ_NAME_ANNOTATION.into(),
+            format!(
+                "{hostname}.{name}.{namespace}.svc.{}",
+                link.target_cluster_domain
+            ),
+        );
+    if let Some(spec) = svc.spec.as_mut() {
+        spec.cluster_ip = None;
+    }
+    Some(svc)
+}
+
+/// The headless mirror's slice: one endpoint per pod, addressed at its per-pod
+/// mirror's cluster IP with the pod's hostname, so
+/// `<pod>.<svc>-<cluster>.<ns>.svc.cluster.local` resolves.
+pub fn headless_endpoint_slice(
+    mirror: &Service,
+    link: &LinkSpec,
+    pods: &[(String, String, bool)],
+) -> Option<EndpointSlice> {
+    let mut slice = mirror_endpoint_slice(mirror, link, &[], false)?;
+    slice.endpoints = Some(
+        pods.iter()
+            .map(|(hostname, ip, ready)| Endpoint {
+                addresses: vec![ip.clone()],
+                hostname: Some(hostname.clone()),
+                conditions: Some(EndpointConditions {
+                    ready: Some(*ready),
+                    serving: Some(*ready),
+                    terminating: Some(false),
+                }),
+                ..Default::default()
+            })
+            .collect(),
+    );
+    // Callers reach the per-pod mirrors on the service's own ports.
+    slice.ports = Some(
+        mirror
+            .spec
+            .as_ref()?
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| EndpointPort {
+                name: p.name.clone(),
+                port: Some(p.port),
+                protocol: p.protocol.clone(),
+                app_protocol: p.app_protocol.clone(),
+            })
+            .collect(),
+    );
+    Some(slice)
+}

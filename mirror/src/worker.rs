@@ -98,6 +98,8 @@ pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, Creden
 struct Applied {
     services: HashMap<(String, String), u64>,
     slices: HashMap<(String, String), u64>,
+    /// Cluster IPs the API server gave our per-pod mirrors.
+    cluster_ips: HashMap<(String, String), String>,
 }
 
 fn hash_of<T: serde::Serialize>(value: &T) -> u64 {
@@ -330,8 +332,37 @@ async fn sync(
             .map(|s| s.as_ref())
             .collect();
         let ready = mirror::has_ready_endpoints(&remote_slices);
-        let slice = mirror::mirror_endpoint_slice(&desired, spec, &ips, ready);
-        match apply_mirror(local, &desired, slice.as_ref(), applied).await {
+        let result = if mirror::is_headless(&remote) {
+            // Per-pod mirrors first: the headless mirror's endpoints are their cluster IPs.
+            let mut pods = Vec::new();
+            let mut outcome = Ok(());
+            for (hostname, pod_ready) in mirror::remote_hostnames(&remote_slices) {
+                let Some(pod_svc) = mirror::endpoint_mirror_service(&remote, &hostname, spec)
+                else {
+                    continue;
+                };
+                let pod_key = (ns.clone(), pod_svc.name_any());
+                wanted.insert(pod_key.clone());
+                let pod_slice = mirror::mirror_endpoint_slice(&pod_svc, spec, &ips, pod_ready);
+                match apply_mirror(local, &pod_svc, pod_slice.as_ref(), applied).await {
+                    Ok(()) => {
+                        if let Some(ip) = applied.cluster_ips.get(&pod_key) {
+                            pods.push((hostname, ip.clone(), pod_ready));
+                        }
+                    }
+                    Err(e) => outcome = Err(e),
+                }
+            }
+            let slice = mirror::headless_endpoint_slice(&desired, spec, &pods);
+            match apply_mirror(local, &desired, slice.as_ref(), applied).await {
+                Ok(()) => outcome,
+                Err(e) => Err(e),
+            }
+        } else {
+            let slice = mirror::mirror_endpoint_slice(&desired, spec, &ips, ready);
+            apply_mirror(local, &desired, slice.as_ref(), applied).await
+        };
+        match result {
             Ok(()) => report.push(ServiceMirrorStatus {
                 namespace: key.0,
                 name: key.1,
@@ -371,6 +402,7 @@ async fn sync(
     for (ns, name) in stale {
         if delete_mirror(local, &ns, &name).await {
             applied.services.remove(&(ns.clone(), name.clone()));
+            applied.cluster_ips.remove(&(ns.clone(), name.clone()));
             applied.slices.remove(&(ns, name));
         }
     }
@@ -443,7 +475,14 @@ async fn apply_mirror(
         }
         let body = with_type_meta(service, "v1", "Service");
         match api.patch(&name, &params, &Patch::Apply(&body)).await {
-            Ok(_) => {
+            Ok(written) => {
+                if let Some(ip) = written
+                    .spec
+                    .and_then(|s| s.cluster_ip)
+                    .filter(|ip| ip != "None")
+                {
+                    applied.cluster_ips.insert(key.clone(), ip);
+                }
                 applied.services.insert(key.clone(), svc_hash);
                 tracing::info!(service = %format!("{ns}/{name}"), "mirror service applied");
             }

@@ -596,3 +596,147 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
         .expect("the original mirror is still there");
     controller.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_controller_serves_links_to_two_clusters() {
+    let (east, west, north) = tokio::join!(
+        Cluster::start("east"),
+        Cluster::start("west"),
+        Cluster::start("north")
+    );
+    let (east, west, north) = (east.unwrap(), west.unwrap(), north.unwrap());
+    let ec = east.client();
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "shop").await.unwrap();
+    export_web(&west.client(), "shop").await;
+    export_web(&north.client(), "shop").await;
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, &north, "north", Some(&admin_kubeconfig(&north))).await;
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    for name in ["web-west", "web-north"] {
+        eventually(name, WAIT, || async {
+            services
+                .get(name)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .await;
+    }
+    let north_mirror = services.get("web-north").await.unwrap();
+    assert_eq!(
+        north_mirror
+            .labels()
+            .get("strait.dev/cluster-name")
+            .map(String::as_str),
+        Some("north")
+    );
+    // Deleting one Link leaves the other's mirrors alone.
+    Api::<Link>::namespaced(ec.clone(), "strait-multicluster")
+        .delete("west", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("west mirrors gone", WAIT, || async {
+        match services
+            .get_opt("web-west")
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            None => Ok(()),
+            Some(_) => Err("still there".into()),
+        }
+    })
+    .await;
+    services
+        .get("web-north")
+        .await
+        .expect("north's mirror stays");
+    controller.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headless_services_get_per_pod_mirrors() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    install_crd(&ec).await;
+    ensure_namespace(&ec, "data").await.unwrap();
+    ensure_namespace(&wc, "data").await.unwrap();
+    create_node(&wc, "w-node-1", "10.20.0.1".parse().unwrap())
+        .await
+        .unwrap();
+    Api::<Service>::namespaced(wc.clone(), "data")
+        .create(
+            &PostParams::default(),
+            &from_json(json!({"metadata": {"name": "db", "labels": {"strait.dev/exported": "true"}},
+                "spec": {"clusterIP": "None", "selector": {"app": "db"}, "ports": [{"name": "sql", "port": 5432}]}})),
+        )
+        .await
+        .unwrap();
+    for (i, ip) in ["10.244.9.10", "10.244.9.11"].iter().enumerate() {
+        let pod = TestPod::new("data", &format!("db-{i}"), "w-node-1", ip.parse().unwrap())
+            .with_label("app", "db")
+            .with_hostname(&format!("db-{i}"), "db")
+            .with_port("sql", 5432);
+        create_ready_pod(&wc, &pod).await.unwrap();
+    }
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+
+    let services: Api<Service> = Api::namespaced(ec.clone(), "data");
+    let headless = eventually("headless mirror db-west", WAIT, || async {
+        services.get("db-west").await.map_err(|e| e.to_string())
+    })
+    .await;
+    assert_eq!(
+        headless.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()),
+        Some("None")
+    );
+    let mut pod_ips = BTreeMap::new();
+    for pod in ["db-0", "db-1"] {
+        let name = format!("{pod}-west");
+        let svc = eventually(&name, WAIT, || async {
+            services.get(&name).await.map_err(|e| e.to_string())
+        })
+        .await;
+        assert_eq!(
+            svc.annotations()
+                .get("strait.dev/remote-svc-fq-name")
+                .map(String::as_str),
+            Some(format!("{pod}.db.data.svc.cluster.local").as_str())
+        );
+        assert_eq!(
+            svc.labels()
+                .get("strait.dev/headless-mirror-svc-name")
+                .map(String::as_str),
+            Some("db-west")
+        );
+        pod_ips.insert(pod.to_string(), svc.spec.unwrap().cluster_ip.unwrap());
+        let slice = mirror_slice(&ec, "data", &name).await.unwrap();
+        assert_eq!(
+            slice.ports.as_ref().unwrap()[0].port,
+            Some(4143),
+            "per-pod mirrors point at the gateway"
+        );
+    }
+    // What DNS needs for <pod>.db-west.data.svc.cluster.local: hostname → per-pod mirror IP.
+    let slice = eventually("headless slice with both pods", WAIT, || async {
+        let s = mirror_slice(&ec, "data", "db-west").await?;
+        if s.endpoints.as_ref().map(Vec::len) == Some(2) {
+            Ok(s)
+        } else {
+            Err(format!("{:?}", s.endpoints))
+        }
+    })
+    .await;
+    let got: BTreeMap<String, String> = slice
+        .endpoints
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.hostname.unwrap_or_default(), e.addresses[0].clone()))
+        .collect();
+    assert_eq!(got, pod_ips);
+    assert_eq!(slice.ports.as_ref().unwrap()[0].port, Some(5432));
+    controller.abort();
+}

@@ -93,6 +93,9 @@ pub struct TestPod {
     pub labels: BTreeMap<String, String>,
     pub annotations: BTreeMap<String, String>,
     pub service_account: String,
+    /// `spec.hostname` and `spec.subdomain`, as a StatefulSet sets them; with a
+    /// headless Service named like the subdomain, the endpoint gets the hostname.
+    pub hostname: Option<(String, String)>,
     /// Container ports: (name, port, protocol).
     pub ports: Vec<(String, u16, String)>,
 }
@@ -107,6 +110,7 @@ impl TestPod {
             labels: BTreeMap::new(),
             annotations: BTreeMap::new(),
             service_account: "default".into(),
+            hostname: None,
             ports: Vec::new(),
         }
     }
@@ -126,6 +130,11 @@ impl TestPod {
         self
     }
 
+    pub fn with_hostname(mut self, hostname: &str, subdomain: &str) -> Self {
+        self.hostname = Some((hostname.into(), subdomain.into()));
+        self
+    }
+
     pub fn with_port(mut self, name: &str, port: u16) -> Self {
         self.ports.push((name.into(), port, "TCP".into()));
         self
@@ -137,7 +146,7 @@ impl TestPod {
             .iter()
             .map(|(name, port, proto)| json!({"name": name, "containerPort": port, "protocol": proto}))
             .collect();
-        json!({
+        let mut manifest = json!({
             "metadata": {
                 "name": self.name, "namespace": self.namespace,
                 "labels": self.labels, "annotations": self.annotations,
@@ -147,7 +156,12 @@ impl TestPod {
                 "serviceAccountName": self.service_account,
                 "containers": [{"name": "app", "image": BACKEND_IMAGE, "ports": ports}],
             },
-        })
+        });
+        if let Some((hostname, subdomain)) = &self.hostname {
+            manifest["spec"]["hostname"] = json!(hostname);
+            manifest["spec"]["subdomain"] = json!(subdomain);
+        }
+        manifest
     }
 }
 
