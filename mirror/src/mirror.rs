@@ -163,84 +163,6 @@ pub fn mirror_endpoint_slice(
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn link() -> LinkSpec {
-        serde_json::from_value(json!({
-            "targetClusterName": "west", "clusterCredentialsSecret": "s",
-            "gatewayAddresses": ["10.0.0.9"], "gatewayIdentity": "spiffe://west/ns/strait-system/sa/strait-gateway",
-            "excludedLabels": ["secret.example.com/*"], "excludedAnnotations": ["noisy"],
-        }))
-        .unwrap()
-    }
-
-    fn remote() -> Service {
-        serde_json::from_value(json!({
-            "metadata": {"name": "web", "namespace": "shop",
-                "labels": {"app": "web", "strait.dev/exported": "true", "secret.example.com/owner": "x"},
-                "annotations": {"noisy": "1", "keep": "2"}},
-            "spec": {"clusterIP": "10.96.0.10", "selector": {"app": "web"},
-                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]},
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn mirror_service_copies_ports_and_filters_metadata() {
-        let m = mirror_service(&remote(), &link()).unwrap();
-        assert_eq!(m.metadata.name.as_deref(), Some("web-west"));
-        let labels = m.metadata.labels.clone().unwrap();
-        assert_eq!(labels.get("app").map(String::as_str), Some("web"));
-        assert_eq!(labels.get(MIRRORED_LABEL).map(String::as_str), Some("true"));
-        assert_eq!(
-            labels.get(CLUSTER_NAME_LABEL).map(String::as_str),
-            Some("west")
-        );
-        assert!(
-            !labels.contains_key("secret.example.com/owner")
-                && !labels.contains_key("strait.dev/exported")
-        );
-        let ann = m.metadata.annotations.clone().unwrap();
-        assert_eq!(
-            ann.get(REMOTE_FQ_NAME_ANNOTATION).map(String::as_str),
-            Some("web.shop.svc.cluster.local")
-        );
-        assert!(ann.contains_key("keep") && !ann.contains_key("noisy"));
-        let spec = m.spec.unwrap();
-        assert!(spec.selector.is_none(), "mirrors have no selector");
-        let port = &spec.ports.unwrap()[0];
-        assert_eq!((port.port, port.target_port.is_none()), (80, true));
-    }
-
-    #[test]
-    fn endpoint_slice_points_at_the_gateway() {
-        let m = mirror_service(&remote(), &link()).unwrap();
-        let s = mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], true).unwrap();
-        assert_eq!(
-            s.endpoints.as_ref().unwrap()[0].addresses,
-            vec!["10.0.0.9".to_string()]
-        );
-        assert_eq!(s.ports.as_ref().unwrap()[0].port, Some(4143));
-        assert_eq!(
-            s.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL],
-            "web-west"
-        );
-        let not_ready =
-            mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], false).unwrap();
-        assert_eq!(
-            not_ready.endpoints.as_ref().unwrap()[0]
-                .conditions
-                .as_ref()
-                .unwrap()
-                .ready,
-            Some(false)
-        );
-    }
-}
-
 /// Label on per-pod mirrors naming the headless mirror they belong to.
 pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
 
@@ -335,4 +257,82 @@ pub fn headless_endpoint_slice(
             .collect(),
     );
     Some(slice)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn link() -> LinkSpec {
+        serde_json::from_value(json!({
+            "targetClusterName": "west", "clusterCredentialsSecret": "s",
+            "gatewayAddresses": ["10.0.0.9"], "gatewayIdentity": "spiffe://west/ns/strait-system/sa/strait-gateway",
+            "excludedLabels": ["secret.example.com/*"], "excludedAnnotations": ["noisy"],
+        }))
+        .unwrap()
+    }
+
+    fn remote() -> Service {
+        serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "shop",
+                "labels": {"app": "web", "strait.dev/exported": "true", "secret.example.com/owner": "x"},
+                "annotations": {"noisy": "1", "keep": "2"}},
+            "spec": {"clusterIP": "10.96.0.10", "selector": {"app": "web"},
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn mirror_service_copies_ports_and_filters_metadata() {
+        let m = mirror_service(&remote(), &link()).unwrap();
+        assert_eq!(m.metadata.name.as_deref(), Some("web-west"));
+        let labels = m.metadata.labels.clone().unwrap();
+        assert_eq!(labels.get("app").map(String::as_str), Some("web"));
+        assert_eq!(labels.get(MIRRORED_LABEL).map(String::as_str), Some("true"));
+        assert_eq!(
+            labels.get(CLUSTER_NAME_LABEL).map(String::as_str),
+            Some("west")
+        );
+        assert!(
+            !labels.contains_key("secret.example.com/owner")
+                && !labels.contains_key("strait.dev/exported")
+        );
+        let ann = m.metadata.annotations.clone().unwrap();
+        assert_eq!(
+            ann.get(REMOTE_FQ_NAME_ANNOTATION).map(String::as_str),
+            Some("web.shop.svc.cluster.local")
+        );
+        assert!(ann.contains_key("keep") && !ann.contains_key("noisy"));
+        let spec = m.spec.unwrap();
+        assert!(spec.selector.is_none(), "mirrors have no selector");
+        let port = &spec.ports.unwrap()[0];
+        assert_eq!((port.port, port.target_port.is_none()), (80, true));
+    }
+
+    #[test]
+    fn endpoint_slice_points_at_the_gateway() {
+        let m = mirror_service(&remote(), &link()).unwrap();
+        let s = mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], true).unwrap();
+        assert_eq!(
+            s.endpoints.as_ref().unwrap()[0].addresses,
+            vec!["10.0.0.9".to_string()]
+        );
+        assert_eq!(s.ports.as_ref().unwrap()[0].port, Some(4143));
+        assert_eq!(
+            s.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL],
+            "web-west"
+        );
+        let not_ready =
+            mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], false).unwrap();
+        assert_eq!(
+            not_ready.endpoints.as_ref().unwrap()[0]
+                .conditions
+                .as_ref()
+                .unwrap()
+                .ready,
+            Some(false)
+        );
+    }
 }
