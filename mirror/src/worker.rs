@@ -315,66 +315,38 @@ async fn sync(
         }
     }
     let ips = gateway_ips(spec);
+    let remotes = services.state();
+    // Mirror services concurrently (bounded): an initial sync of thousands of
+    // services is dominated by API round trips, not CPU.
+    let cache: &Applied = applied;
+    let outcomes: Vec<Outcome> = futures::stream::iter(remotes.into_iter().map(|remote| {
+        let key = (remote.namespace().unwrap_or_default(), remote.name_any());
+        let remote_slices: Vec<Arc<EndpointSlice>> =
+            slices_by_service.get(&key).cloned().unwrap_or_default();
+        mirror_one(local, spec, remote, remote_slices, &ips, cache)
+    }))
+    .buffer_unordered(APPLY_CONCURRENCY)
+    .collect()
+    .await;
     let mut wanted: BTreeSet<(String, String)> = BTreeSet::new();
     let mut report = Vec::new();
-    for remote in services.state() {
-        let Some(desired) = mirror::mirror_service(&remote, spec) else {
-            continue;
-        };
-        let (ns, name) = (desired.namespace().unwrap_or_default(), desired.name_any());
-        wanted.insert((ns.clone(), name.clone()));
-        let key = (remote.namespace().unwrap_or_default(), remote.name_any());
-        let empty = Vec::new();
-        let remote_slices: Vec<&EndpointSlice> = slices_by_service
-            .get(&key)
-            .unwrap_or(&empty)
-            .iter()
-            .map(|s| s.as_ref())
-            .collect();
-        let ready = mirror::has_ready_endpoints(&remote_slices);
-        let result = if mirror::is_headless(&remote) {
-            // Per-pod mirrors first: the headless mirror's endpoints are their cluster IPs.
-            let mut pods = Vec::new();
-            let mut outcome = Ok(());
-            for (hostname, pod_ready) in mirror::remote_hostnames(&remote_slices) {
-                let Some(pod_svc) = mirror::endpoint_mirror_service(&remote, &hostname, spec)
-                else {
-                    continue;
-                };
-                let pod_key = (ns.clone(), pod_svc.name_any());
-                wanted.insert(pod_key.clone());
-                let pod_slice = mirror::mirror_endpoint_slice(&pod_svc, spec, &ips, pod_ready);
-                match apply_mirror(local, &pod_svc, pod_slice.as_ref(), applied).await {
-                    Ok(()) => {
-                        if let Some(ip) = applied.cluster_ips.get(&pod_key) {
-                            pods.push((hostname, ip.clone(), pod_ready));
-                        }
-                    }
-                    Err(e) => outcome = Err(e),
-                }
-            }
-            let slice = mirror::headless_endpoint_slice(&desired, spec, &pods);
-            match apply_mirror(local, &desired, slice.as_ref(), applied).await {
-                Ok(()) => outcome,
-                Err(e) => Err(e),
-            }
-        } else {
-            let slice = mirror::mirror_endpoint_slice(&desired, spec, &ips, ready);
-            apply_mirror(local, &desired, slice.as_ref(), applied).await
-        };
-        match result {
+    for outcome in outcomes {
+        wanted.extend(outcome.wanted);
+        outcome.writes.merge_into(applied);
+        let (ns, name) = outcome.remote;
+        match outcome.result {
             Ok(()) => report.push(ServiceMirrorStatus {
-                namespace: key.0,
-                name: key.1,
+                namespace: ns,
+                name,
                 mirrored: true,
                 reason: String::new(),
                 message: String::new(),
             }),
             Err((reason, message)) => {
-                tracing::warn!(cluster = %cluster, service = %format!("{}/{}", key.0, key.1), "{message}");
+                tracing::warn!(cluster = %cluster, service = %format!("{ns}/{name}"), "{message}");
                 report.push(ServiceMirrorStatus {
-                    namespace: key.0,
-                    name: key.1,
+                    namespace: ns,
+                    name,
                     mirrored: false,
                     reason: reason.into(),
                     message,
@@ -443,19 +415,120 @@ pub async fn delete_mirror(local: &Client, ns: &str, name: &str) -> bool {
     ok
 }
 
+/// How many mirrors are written at once.
+const APPLY_CONCURRENCY: usize = 16;
+
+/// Writes made while mirroring one service, merged into [`Applied`] afterwards.
+#[derive(Default)]
+struct Writes {
+    services: Vec<((String, String), u64, Option<String>)>,
+    slices: Vec<((String, String), u64)>,
+}
+
+impl Writes {
+    fn merge_into(self, applied: &mut Applied) {
+        for (key, hash, ip) in self.services {
+            if let Some(ip) = ip {
+                applied.cluster_ips.insert(key.clone(), ip);
+            }
+            applied.services.insert(key, hash);
+        }
+        for (key, hash) in self.slices {
+            applied.slices.insert(key, hash);
+        }
+    }
+
+    fn cluster_ip(&self, cache: &Applied, key: &(String, String)) -> Option<String> {
+        self.services
+            .iter()
+            .rev()
+            .find(|(k, _, ip)| k == key && ip.is_some())
+            .and_then(|(_, _, ip)| ip.clone())
+            .or_else(|| cache.cluster_ips.get(key).cloned())
+    }
+}
+
+struct Outcome {
+    remote: (String, String),
+    wanted: Vec<(String, String)>,
+    result: Result<(), (&'static str, String)>,
+    writes: Writes,
+}
+
+/// Mirrors one remote service (and, when headless, its pods).
+async fn mirror_one(
+    local: &Client,
+    spec: &LinkSpec,
+    remote: Arc<Service>,
+    remote_slices: Vec<Arc<EndpointSlice>>,
+    ips: &[IpAddr],
+    cache: &Applied,
+) -> Outcome {
+    let key = (remote.namespace().unwrap_or_default(), remote.name_any());
+    let mut writes = Writes::default();
+    let mut wanted = Vec::new();
+    let Some(desired) = mirror::mirror_service(&remote, spec) else {
+        return Outcome {
+            remote: key,
+            wanted,
+            result: Ok(()),
+            writes,
+        };
+    };
+    let ns = desired.namespace().unwrap_or_default();
+    wanted.push((ns.clone(), desired.name_any()));
+    let slices: Vec<&EndpointSlice> = remote_slices.iter().map(|s| s.as_ref()).collect();
+    let result = if mirror::is_headless(&remote) {
+        // Per-pod mirrors first: the headless mirror's endpoints are their cluster IPs.
+        let mut pods = Vec::new();
+        let mut outcome = Ok(());
+        for (hostname, pod_ready) in mirror::remote_hostnames(&slices) {
+            let Some(pod_svc) = mirror::endpoint_mirror_service(&remote, &hostname, spec) else {
+                continue;
+            };
+            let pod_key = (ns.clone(), pod_svc.name_any());
+            wanted.push(pod_key.clone());
+            let pod_slice = mirror::mirror_endpoint_slice(&pod_svc, spec, ips, pod_ready);
+            match apply_mirror(local, &pod_svc, pod_slice.as_ref(), cache, &mut writes).await {
+                Ok(()) => {
+                    if let Some(ip) = writes.cluster_ip(cache, &pod_key) {
+                        pods.push((hostname, ip, pod_ready));
+                    }
+                }
+                Err(e) => outcome = Err(e),
+            }
+        }
+        let slice = mirror::headless_endpoint_slice(&desired, spec, &pods);
+        apply_mirror(local, &desired, slice.as_ref(), cache, &mut writes)
+            .await
+            .and(outcome)
+    } else {
+        let ready = mirror::has_ready_endpoints(&slices);
+        let slice = mirror::mirror_endpoint_slice(&desired, spec, ips, ready);
+        apply_mirror(local, &desired, slice.as_ref(), cache, &mut writes).await
+    };
+    Outcome {
+        remote: key,
+        wanted,
+        result,
+        writes,
+    }
+}
+
 async fn apply_mirror(
     local: &Client,
     service: &Service,
     slice: Option<&EndpointSlice>,
-    applied: &mut Applied,
+    cache: &Applied,
+    writes: &mut Writes,
 ) -> Result<(), (&'static str, String)> {
     let (ns, name) = (service.namespace().unwrap_or_default(), service.name_any());
     let key = (ns.clone(), name.clone());
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let svc_hash = hash_of(service);
-    if applied.services.get(&key) != Some(&svc_hash) {
+    if cache.services.get(&key) != Some(&svc_hash) {
         let api = Api::<Service>::namespaced(local.clone(), &ns);
-        if !applied.services.contains_key(&key) {
+        if !cache.services.contains_key(&key) {
             // Never take over a Service that is not ours.
             match api.get_opt(&name).await {
                 Ok(Some(existing))
@@ -476,15 +549,12 @@ async fn apply_mirror(
         let body = with_type_meta(service, "v1", "Service");
         match api.patch(&name, &params, &Patch::Apply(&body)).await {
             Ok(written) => {
-                if let Some(ip) = written
+                let ip = written
                     .spec
                     .and_then(|s| s.cluster_ip)
-                    .filter(|ip| ip != "None")
-                {
-                    applied.cluster_ips.insert(key.clone(), ip);
-                }
-                applied.services.insert(key.clone(), svc_hash);
-                tracing::info!(service = %format!("{ns}/{name}"), "mirror service applied");
+                    .filter(|ip| ip != "None");
+                writes.services.push((key.clone(), svc_hash, ip));
+                tracing::debug!(service = %format!("{ns}/{name}"), "mirror service applied");
             }
             Err(kube::Error::Api(e)) if e.code == 404 => {
                 return Err((
@@ -497,7 +567,7 @@ async fn apply_mirror(
     }
     if let Some(slice) = slice {
         let slice_hash = hash_of(slice);
-        if applied.slices.get(&key) != Some(&slice_hash) {
+        if cache.slices.get(&key) != Some(&slice_hash) {
             let body = with_type_meta(slice, "discovery.k8s.io/v1", "EndpointSlice");
             Api::<EndpointSlice>::namespaced(local.clone(), &ns)
                 .patch(&name, &params, &Patch::Apply(&body))
@@ -508,7 +578,7 @@ async fn apply_mirror(
                         format!("applying EndpointSlice {ns}/{name}: {e}"),
                     )
                 })?;
-            applied.slices.insert(key, slice_hash);
+            writes.slices.push((key, slice_hash));
         }
     }
     Ok(())
