@@ -1,0 +1,267 @@
+//! Mirror controller benchmarks on real API servers (testenv), with the
+//! controller as its own process (`strait-mirror`), so its RSS is its own.
+//!
+//!     cargo bench -p strait-mirror --bench sync
+//!
+//! 1. Export → mirror latency over STRAIT_BENCH_LATENCY_N (100) services created
+//!    one at a time: p50/p99 from the create call in west to the mirror Service
+//!    and its EndpointSlice existing in east.
+//! 2. Initial sync of STRAIT_BENCH_SYNC_N (comma list, default "1000,10000")
+//!    exported services: time from linking to all mirrors present, and the
+//!    controller's peak RSS.
+//! 3. API writes while idle for STRAIT_BENCH_IDLE_SECS (60): counted as changes
+//!    of resourceVersion across all mirrors and the Link.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+use strait_mesh::link::Link;
+use strait_testenv::process::ChildProcess;
+use strait_testenv::workloads::ensure_namespace;
+use strait_testenv::{Cluster, kubeconfig};
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+struct Env {
+    east: Cluster,
+    west: Cluster,
+    controller: ChildProcess,
+    dir: tempfile::TempDir,
+}
+
+async fn setup() -> Env {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let ec = east.client();
+    let crds: Api<CustomResourceDefinition> = Api::all(ec.clone());
+    crds.patch(
+        "links.multicluster.strait.dev",
+        &PatchParams::apply("bench").force(),
+        &Patch::Apply(Link::crd()),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure_namespace(&ec, "bench").await.unwrap();
+    ensure_namespace(&west.client(), "bench").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let controller = ChildProcess::spawn_with_env(
+        "strait-mirror",
+        std::path::Path::new(env!("CARGO_BIN_EXE_strait-mirror")),
+        &["--admin-addr=127.0.0.1:0".to_string()],
+        &[
+            ("KUBECONFIG", east.kubeconfig_path().as_os_str()),
+            ("RUST_LOG", std::ffi::OsStr::new("warn")),
+        ],
+        &dir.path().join("mirror.log"),
+    )
+    .unwrap();
+    Env {
+        east,
+        west,
+        controller,
+        dir,
+    }
+}
+
+async fn link(env: &Env, name: &str) {
+    let ec = env.east.client();
+    ensure_namespace(&ec, "strait-multicluster").await.unwrap();
+    let kc = kubeconfig::to_yaml(env.west.kubeconfig()).unwrap();
+    let secret: Secret = serde_json::from_value(
+        json!({"metadata": {"name": format!("creds-{name}")}, "stringData": {"kubeconfig": kc}}),
+    )
+    .unwrap();
+    Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let link: Link = serde_json::from_value(json!({
+        "apiVersion": "multicluster.strait.dev/v1alpha1", "kind": "Link", "metadata": {"name": name},
+        "spec": {"targetClusterName": name, "clusterCredentialsSecret": format!("creds-{name}"), "gatewayAddresses": ["10.77.0.1"],
+                 "selector": {"matchLabels": {"bench": name}}},
+    }))
+    .unwrap();
+    Api::<Link>::namespaced(ec, "strait-multicluster")
+        .create(&PostParams::default(), &link)
+        .await
+        .unwrap();
+}
+
+fn service(name: &str, label: &str) -> Service {
+    serde_json::from_value(json!({"metadata": {"name": name, "labels": {"bench": label}}, "spec": {"ports": [{"name": "http", "port": 80}]}})).unwrap()
+}
+
+async fn count_mirrors(client: &Client, cluster: &str) -> usize {
+    let lp = ListParams::default().labels(&format!("strait.dev/cluster-name={cluster}"));
+    Api::<Service>::namespaced(client.clone(), "bench")
+        .list_metadata(&lp)
+        .await
+        .map(|l| l.items.len())
+        .unwrap_or(0)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let env = setup().await;
+    let (ec, wc) = (env.east.client(), env.west.client());
+    let west_services: Api<Service> = Api::namespaced(wc.clone(), "bench");
+
+    // 1. Latency.
+    let n: usize = env_or("STRAIT_BENCH_LATENCY_N", "100").parse().unwrap();
+    link(&env, "lat").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let east_services: Api<Service> = Api::namespaced(ec.clone(), "bench");
+    let east_slices: Api<EndpointSlice> = Api::namespaced(ec.clone(), "bench");
+    let mut latencies = Vec::new();
+    for i in 0..n {
+        let name = format!("lat-{i}");
+        let start = Instant::now();
+        west_services
+            .create(&PostParams::default(), &service(&name, "lat"))
+            .await
+            .unwrap();
+        let mirror = format!("{name}-lat");
+        loop {
+            if east_services.get_opt(&mirror).await.unwrap().is_some()
+                && east_slices.get_opt(&mirror).await.unwrap().is_some()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        latencies.push(start.elapsed());
+    }
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies[((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)].as_secs_f64()
+            * 1e3
+    };
+    println!(
+        "export → mirror with endpoints (n={n}): p50 {:.0} ms, p99 {:.0} ms",
+        pct(0.5),
+        pct(0.99)
+    );
+
+    // 2. Initial sync.
+    for size in env_or("STRAIT_BENCH_SYNC_N", "1000,10000")
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().unwrap())
+    {
+        let label = format!("s{size}");
+        futures::stream::iter((0..size).map(|i| {
+            let (api, label) = (west_services.clone(), label.clone());
+            async move {
+                api.create(
+                    &PostParams::default(),
+                    &service(&format!("{label}-{i}"), &label),
+                )
+                .await
+                .unwrap()
+            }
+        }))
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+        let rss_before = rss_kib(env.controller.pid().unwrap());
+        let start = Instant::now();
+        link(&env, &label).await;
+        let mut peak = rss_before;
+        loop {
+            peak = peak.max(rss_kib(env.controller.pid().unwrap()));
+            if count_mirrors(&ec, &label).await >= size {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(600),
+                "sync of {size} did not finish in 10 minutes"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let took = start.elapsed();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        peak = peak.max(rss_kib(env.controller.pid().unwrap()));
+        println!(
+            "initial sync of {size} exported services: {:.1} s, controller RSS peak {} MiB (before {} MiB)",
+            took.as_secs_f64(),
+            peak / 1024,
+            rss_before / 1024
+        );
+    }
+
+    // 3. Idle writes.
+    let idle: u64 = env_or("STRAIT_BENCH_IDLE_SECS", "60").parse().unwrap();
+    let versions = || async {
+        let mut v: BTreeMap<String, String> = BTreeMap::new();
+        for s in east_services
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+        {
+            v.insert(
+                format!("svc/{}", s.name_any()),
+                s.resource_version().unwrap_or_default(),
+            );
+        }
+        for s in east_slices
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+        {
+            v.insert(
+                format!("slice/{}", s.name_any()),
+                s.resource_version().unwrap_or_default(),
+            );
+        }
+        for l in Api::<Link>::namespaced(ec.clone(), "strait-multicluster")
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+        {
+            v.insert(
+                format!("link/{}", l.name_any()),
+                l.resource_version().unwrap_or_default(),
+            );
+        }
+        v
+    };
+    let before = versions().await;
+    tokio::time::sleep(Duration::from_secs(idle)).await;
+    let after = versions().await;
+    let writes = before
+        .iter()
+        .filter(|(k, v)| after.get(*k) != Some(*v))
+        .count();
+    println!(
+        "API writes during {idle} s idle ({} objects watched): {writes}",
+        before.len()
+    );
+    let _ = &env.dir;
+}
