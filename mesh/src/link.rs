@@ -75,7 +75,11 @@ pub struct LinkSpec {
     #[serde(default)]
     pub excluded_annotations: Vec<String>,
     /// After the remote has been unreachable this long, its endpoints are marked not ready (e.g. "5m").
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "stalenessTTL",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub staleness_ttl: Option<String>,
 }
 

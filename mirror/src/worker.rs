@@ -93,6 +93,15 @@ pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, Creden
     Client::try_from(config).map_err(|e| invalid(e.to_string()))
 }
 
+/// A Link's mirroring state between passes.
+#[derive(Default)]
+struct LinkState {
+    applied: Applied,
+    /// The remote has been silent longer than the Link's staleness TTL: all
+    /// endpoints are written not ready until it answers again.
+    stale: bool,
+}
+
 /// What was last applied, by (namespace, name): a hash of the object we sent.
 #[derive(Default)]
 struct Applied {
@@ -167,7 +176,7 @@ async fn run_once(
     let Some(selector) = selector_query(&spec.selector) else {
         // An empty selector matches nothing: remove every mirror of this Link.
         status.set_health(LinkHealth::remote_ok()).await;
-        let mut applied = Applied::default();
+        let mut state = LinkState::default();
         let (no_services, _) = reflector::store::<Service>();
         let (no_slices, _) = reflector::store::<EndpointSlice>();
         sync(
@@ -175,7 +184,7 @@ async fn run_once(
             spec,
             &no_services,
             &no_slices,
-            &mut applied,
+            &mut state,
             status,
             true,
         )
@@ -222,54 +231,101 @@ async fn run_once(
     let _guard = AbortOnDrop(vec![t1, t2]);
 
     // Wait for the first full list of both, then clean up orphans from before.
+    // Errors meanwhile mark the remote unreachable; the watchers retry by themselves.
     let ready = async {
         svc_reader.wait_until_ready().await.ok();
         slice_reader.wait_until_ready().await.ok();
     };
-    tokio::select! {
-        _ = ready => {}
-        Some(Err(e)) = health_rx.recv() => {
-            status.set_health(LinkHealth::remote_unreachable(&e)).await;
-            // Keep waiting: the watcher retries by itself; mirrors stay as they are.
-            svc_reader.wait_until_ready().await.ok();
-            slice_reader.wait_until_ready().await.ok();
+    tokio::pin!(ready);
+    let ttl = spec
+        .staleness_ttl
+        .as_deref()
+        .and_then(|t| humantime::parse_duration(t).ok());
+    let mut unreachable_since: Option<tokio::time::Instant> = None;
+    let mut marked_stale = false;
+    loop {
+        tokio::select! {
+            _ = &mut ready => break,
+            Some(health) = health_rx.recv() => {
+                if let (Err(e), None) = (health, unreachable_since) {
+                    unreachable_since = Some(tokio::time::Instant::now());
+                    tracing::warn!(cluster = %spec.target_cluster_name, "remote API unreachable while listing: {e}");
+                    status.set_health(LinkHealth::remote_unreachable(&e)).await;
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        // No remote state yet, but the mirrors from before must still go stale.
+        if let (Some(ttl), Some(since), false) = (ttl, unreachable_since, marked_stale)
+            && since.elapsed() >= ttl
+        {
+            marked_stale = mark_all_not_ready(local, &spec.target_cluster_name).await;
         }
     }
     status.set_health(LinkHealth::remote_ok()).await;
-    let mut applied = Applied::default();
+    let mut state = LinkState::default();
     sync(
         local,
         spec,
         &svc_reader,
         &slice_reader,
-        &mut applied,
+        &mut state,
         status,
         true,
     )
     .await;
     let mut remote_ok = true;
+    let ttl = spec
+        .staleness_ttl
+        .as_deref()
+        .and_then(|t| humantime::parse_duration(t).ok());
+    let mut unreachable_since: Option<tokio::time::Instant> = None;
     loop {
+        // Past the staleness TTL, a silent remote's endpoints turn not ready.
+        if let (Some(ttl), Some(since), false) = (ttl, unreachable_since, state.stale)
+            && since.elapsed() >= ttl
+        {
+            tracing::warn!(cluster = %spec.target_cluster_name, "remote silent for {ttl:?}: marking its endpoints not ready");
+            state.stale = true;
+            sync(
+                local,
+                spec,
+                &svc_reader,
+                &slice_reader,
+                &mut state,
+                status,
+                false,
+            )
+            .await;
+        }
         tokio::select! {
             _ = notify.notified() => {
                 // Coalesce bursts (a deployment rollout touches many slices).
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                sync(local, spec, &svc_reader, &slice_reader, &mut applied, status, false).await;
+                sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
             }
             Some(h) = health_rx.recv() => match h {
                 Ok(()) if !remote_ok => {
                     remote_ok = true;
+                    unreachable_since = None;
                     status.set_health(LinkHealth::remote_ok()).await;
+                    if state.stale {
+                        state.stale = false;
+                        sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
+                    }
                 }
                 Err(e) if remote_ok => {
                     remote_ok = false;
+                    unreachable_since = Some(tokio::time::Instant::now());
                     tracing::warn!(cluster = %spec.target_cluster_name, "remote API unreachable: {e}; keeping mirrors");
                     status.set_health(LinkHealth::remote_unreachable(&e)).await;
                 }
                 _ => {}
             },
-            // Periodic pass: retries failed writes (a namespace created later, a conflict removed).
-            _ = tokio::time::sleep(Duration::from_secs(10)) => {
-                sync(local, spec, &svc_reader, &slice_reader, &mut applied, status, false).await;
+            // Periodic pass: retries failed writes (a namespace created later, a conflict
+            // removed); also wakes the staleness check.
+            _ = tokio::time::sleep(ttl.map_or(Duration::from_secs(10), |t| t.min(Duration::from_secs(10)) / 2)) => {
+                sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
             }
         }
     }
@@ -299,10 +355,12 @@ async fn sync(
     spec: &LinkSpec,
     services: &Store<Service>,
     slices: &Store<EndpointSlice>,
-    applied: &mut Applied,
+    state: &mut LinkState,
     status: &StatusReporter,
     full: bool,
 ) {
+    let stale = state.stale;
+    let applied = &mut state.applied;
     let cluster = &spec.target_cluster_name;
     let mut slices_by_service: BTreeMap<(String, String), Vec<Arc<EndpointSlice>>> =
         BTreeMap::new();
@@ -323,7 +381,7 @@ async fn sync(
         let key = (remote.namespace().unwrap_or_default(), remote.name_any());
         let remote_slices: Vec<Arc<EndpointSlice>> =
             slices_by_service.get(&key).cloned().unwrap_or_default();
-        mirror_one(local, spec, remote, remote_slices, &ips, cache)
+        mirror_one(local, spec, remote, remote_slices, &ips, cache, stale)
     }))
     .buffer_unordered(APPLY_CONCURRENCY)
     .collect()
@@ -379,6 +437,40 @@ async fn sync(
         }
     }
     status.set_services(report).await;
+}
+
+/// Marks every local mirror endpoint of `cluster` not ready, keeping the rest
+/// of each slice. True when all were written.
+async fn mark_all_not_ready(local: &Client, cluster: &str) -> bool {
+    tracing::warn!(cluster = %cluster, "remote silent past its staleness TTL: marking its endpoints not ready");
+    let selector = format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={cluster}");
+    let Ok(list) = Api::<EndpointSlice>::all(local.clone())
+        .list(&ListParams::default().labels(&selector))
+        .await
+    else {
+        return false;
+    };
+    let mut ok = true;
+    for mut slice in list.items {
+        for e in slice.endpoints.iter_mut().flatten() {
+            let c = e.conditions.get_or_insert_with(Default::default);
+            c.ready = Some(false);
+            c.serving = Some(false);
+        }
+        let (ns, name) = (slice.namespace().unwrap_or_default(), slice.name_any());
+        slice.metadata.managed_fields = None;
+        slice.metadata.resource_version = None;
+        let body = with_type_meta(&slice, "discovery.k8s.io/v1", "EndpointSlice");
+        ok &= Api::<EndpointSlice>::namespaced(local.clone(), &ns)
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .is_ok();
+    }
+    ok
 }
 
 async fn list_local_mirrors(local: &Client, cluster: &str) -> kube::Result<Vec<(String, String)>> {
@@ -463,6 +555,7 @@ async fn mirror_one(
     remote_slices: Vec<Arc<EndpointSlice>>,
     ips: &[IpAddr],
     cache: &Applied,
+    stale: bool,
 ) -> Outcome {
     let key = (remote.namespace().unwrap_or_default(), remote.name_any());
     let mut writes = Writes::default();
@@ -483,6 +576,7 @@ async fn mirror_one(
         let mut pods = Vec::new();
         let mut outcome = Ok(());
         for (hostname, pod_ready) in mirror::remote_hostnames(&slices) {
+            let pod_ready = pod_ready && !stale;
             let Some(pod_svc) = mirror::endpoint_mirror_service(&remote, &hostname, spec) else {
                 continue;
             };
@@ -503,7 +597,7 @@ async fn mirror_one(
             .await
             .and(outcome)
     } else {
-        let ready = mirror::has_ready_endpoints(&slices);
+        let ready = mirror::has_ready_endpoints(&slices) && !stale;
         let slice = mirror::mirror_endpoint_slice(&desired, spec, ips, ready);
         apply_mirror(local, &desired, slice.as_ref(), cache, &mut writes).await
     };

@@ -528,6 +528,8 @@ async fn condition(links: &Api<Link>, name: &str, type_: &str) -> Option<(String
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() {
+    // Controller logs land in the test's captured output, shown if it fails.
+    strait_mesh::telemetry::init_tracing(Default::default(), "strait_mirror=debug,warn");
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, mut west) = (east.unwrap(), west.unwrap());
     let (ec, wc) = (east.client(), west.client());
@@ -546,6 +548,25 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
     })
     .await;
     let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    links
+        .patch(
+            "west",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"stalenessTTL": "4s"}})),
+        )
+        .await
+        .unwrap();
+    eventually("mirror endpoints ready", WAIT, || async {
+        let s = mirror_slice(&ec, "shop", "web-west").await?;
+        if ready(&s).iter().all(|r| *r) && !ready(&s).is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{:?}", ready(&s)))
+        }
+    })
+    .await;
+    // Let the restarted worker (the spec changed) settle into its steady state.
+    tokio::time::sleep(Duration::from_secs(2)).await;
 
     west.stop_apiserver();
     let (_, message) = eventually("RemoteReachable=False", Duration::from_secs(60), || async {
@@ -564,6 +585,16 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
     mirror_slice(&ec, "shop", "web-west")
         .await
         .expect("endpoints kept during the outage");
+    // Past the staleness TTL the endpoints are kept but marked not ready.
+    eventually("stale endpoints not ready", WAIT, || async {
+        let s = mirror_slice(&ec, "shop", "web-west").await?;
+        if ready(&s) == vec![false, false] {
+            Ok(())
+        } else {
+            Err(format!("{:?}", ready(&s)))
+        }
+    })
+    .await;
 
     west.start_apiserver().await.unwrap();
     // A service exported while we were disconnected-then-reconnected shows up: the watch resynced.
@@ -594,6 +625,19 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
         .get("web-west")
         .await
         .expect("the original mirror is still there");
+    eventually(
+        "endpoints ready again after the remote returns",
+        WAIT,
+        || async {
+            let s = mirror_slice(&ec, "shop", "web-west").await?;
+            if ready(&s) == vec![true, true] {
+                Ok(())
+            } else {
+                Err(format!("{:?}", ready(&s)))
+            }
+        },
+    )
+    .await;
     controller.abort();
 }
 
