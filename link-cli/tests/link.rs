@@ -252,6 +252,7 @@ async fn the_controller_renews_the_link_token_before_it_expires() {
         ec.clone(),
         strait_mirror::MirrorConfig {
             token_renew_at: 0.01,
+            ..Default::default()
         },
     ));
     ensure_namespace(&ec, "shop").await.unwrap();

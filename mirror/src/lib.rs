@@ -6,6 +6,7 @@
 //! worker ([`worker`]) watches its remote cluster and writes mirrors here.
 #![forbid(unsafe_code)]
 
+pub mod metrics;
 pub mod mirror;
 pub mod status;
 pub mod token;
@@ -46,16 +47,19 @@ struct WorkerHandle {
 }
 
 /// Controller settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct MirrorConfig {
     /// Fraction of a link token's lifetime after which it is renewed.
     pub token_renew_at: f64,
+    /// Where the controller's metrics go (register them with the admin server's registry).
+    pub metrics: metrics::MirrorMetrics,
 }
 
 impl Default for MirrorConfig {
     fn default() -> Self {
         Self {
             token_renew_at: 0.7,
+            metrics: Default::default(),
         }
     }
 }
@@ -132,6 +136,7 @@ async fn reconcile(link: Arc<Link>, ctx: Arc<Context>) -> Result<Action, Error> 
             }
             Finalizer::Cleanup(link) => {
                 stop_worker(&ctx, &key_of(&link)).await;
+                ctx.config.metrics.forget(&key_of(&link));
                 remove_all_mirrors(&ctx.client, &link.spec.target_cluster_name).await?;
                 tracing::info!(cluster = %link.spec.target_cluster_name, "link deleted: its mirrors are gone");
                 Ok(Action::await_change())
@@ -177,12 +182,17 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
     tracing::info!(link = %key, cluster = %link.spec.target_cluster_name, "starting to mirror");
     let (stop, stop_rx) = watch::channel(false);
     let api: Api<Link> = Api::namespaced(ctx.client.clone(), &link.namespace().unwrap_or_default());
-    let reporter = StatusReporter::new(api, link.clone(), ctx.recorder.clone());
+    let reporter = StatusReporter::new(
+        api,
+        link.clone(),
+        ctx.recorder.clone(),
+        ctx.config.metrics.clone(),
+    );
     tokio::spawn(worker::run(
         ctx.client.clone(),
         (*link).clone(),
         reporter,
-        ctx.config,
+        ctx.config.clone(),
         stop_rx,
     ));
     workers.insert(key, WorkerHandle { fingerprint, stop });

@@ -42,7 +42,10 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     let client = kube::Client::try_default().await?;
     let readiness = Readiness::default();
-    let registry = Arc::new(prometheus_client::registry::Registry::default());
+    let metrics = strait_mirror::metrics::MirrorMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let registry = Arc::new(registry);
     let admin = admin::spawn(args.admin_addr, readiness.clone(), registry).await?;
     tracing::info!(%admin, "mirror controller starting");
     readiness.set_ready(true);
@@ -50,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
         client,
         strait_mirror::MirrorConfig {
             token_renew_at: args.token_renew_at,
+            metrics,
         },
     )
     .await;

@@ -11,6 +11,8 @@ use serde_json::json;
 use strait_mesh::link::{Link, LinkStatus, ServiceMirrorStatus};
 use tokio::sync::Mutex;
 
+use crate::metrics::{ErrorLabels, LinkLabels, MirrorMetrics};
+
 /// One condition's wanted state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinkHealth {
@@ -61,9 +63,10 @@ struct State {
     last_written: Option<LinkStatus>,
 }
 
-/// Reports one Link's status. Cheap to clone.
+/// Reports one Link's status and metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct StatusReporter {
+    metrics: MirrorMetrics,
     api: Api<Link>,
     link: Arc<Link>,
     recorder: Recorder,
@@ -71,13 +74,19 @@ pub struct StatusReporter {
 }
 
 impl StatusReporter {
-    pub fn new(api: Api<Link>, link: Arc<Link>, recorder: Recorder) -> Self {
+    pub fn new(
+        api: Api<Link>,
+        link: Arc<Link>,
+        recorder: Recorder,
+        metrics: MirrorMetrics,
+    ) -> Self {
         let conditions = link
             .status
             .as_ref()
             .map(|s| s.conditions.clone())
             .unwrap_or_default();
         Self {
+            metrics,
             api,
             link,
             recorder,
@@ -89,7 +98,31 @@ impl StatusReporter {
         }
     }
 
+    fn labels(&self) -> LinkLabels {
+        LinkLabels {
+            link: format!(
+                "{}/{}",
+                self.link.metadata.namespace.clone().unwrap_or_default(),
+                self.link.metadata.name.clone().unwrap_or_default()
+            ),
+        }
+    }
+
+    /// Records the duration of one sync pass.
+    pub fn observe_sync(&self, seconds: f64) {
+        self.metrics
+            .sync_duration
+            .get_or_create(&self.labels())
+            .observe(seconds);
+    }
+
     pub async fn set_health(&self, health: LinkHealth) {
+        if health.condition == "RemoteReachable" {
+            self.metrics
+                .remote_reachable
+                .get_or_create(&self.labels())
+                .set(i64::from(health.ok));
+        }
         let changed = {
             let mut state = self.state.lock().await;
             let status = if health.ok { "True" } else { "False" };
@@ -139,6 +172,11 @@ impl StatusReporter {
 
     pub async fn set_services(&self, mut services: Vec<ServiceMirrorStatus>) {
         services.sort();
+        let labels = self.labels();
+        self.metrics
+            .mirrored_services
+            .get_or_create(&labels)
+            .set(services.iter().filter(|s| s.mirrored).count() as i64);
         let new_failures: Vec<ServiceMirrorStatus> = {
             let mut state = self.state.lock().await;
             let fresh = services
@@ -149,6 +187,15 @@ impl StatusReporter {
             state.services = services;
             fresh
         };
+        for failure in &new_failures {
+            self.metrics
+                .mirror_errors
+                .get_or_create(&ErrorLabels {
+                    link: labels.link.clone(),
+                    reason: failure.reason.clone(),
+                })
+                .inc();
+        }
         for failure in new_failures {
             let note = format!(
                 "{}/{}: {}",

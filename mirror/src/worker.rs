@@ -135,7 +135,7 @@ pub async fn run(
     let mut backoff = Duration::from_millis(500);
     loop {
         let outcome = tokio::select! {
-            r = run_once(&local, &link, &status, config) => r,
+            r = run_once(&local, &link, &status, &config) => r,
             _ = stop.changed() => return,
         };
         if let Err(message) = outcome {
@@ -153,7 +153,7 @@ async fn run_once(
     local: &Client,
     link: &Link,
     status: &StatusReporter,
-    config: crate::MirrorConfig,
+    config: &crate::MirrorConfig,
 ) -> Result<(), String> {
     let spec = &link.spec;
     let remote = match remote_client(local, link).await {
@@ -359,6 +359,7 @@ async fn sync(
     status: &StatusReporter,
     full: bool,
 ) {
+    let started = std::time::Instant::now();
     let stale = state.stale;
     let applied = &mut state.applied;
     let cluster = &spec.target_cluster_name;
@@ -437,6 +438,7 @@ async fn sync(
         }
     }
     status.set_services(report).await;
+    status.observe_sync(started.elapsed().as_secs_f64());
 }
 
 /// Marks every local mirror endpoint of `cluster` not ready, keeping the rest

@@ -145,7 +145,14 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
     install_crd(&ec).await;
     ensure_namespace(&ec, "shop").await.unwrap();
     export_web(&wc, "shop").await;
-    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    let metrics = strait_mirror::metrics::MirrorMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let config = strait_mirror::MirrorConfig {
+        metrics,
+        ..Default::default()
+    };
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), config));
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
@@ -287,6 +294,21 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
         }
     })
     .await;
+
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("mirror_services{link=\"strait-multicluster/west\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mirror_remote_reachable{link=\"strait-multicluster/west\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mirror_sync_duration_seconds_count{link=\"strait-multicluster/west\"}"),
+        "{text}"
+    );
 
     // Unexport → mirror gone.
     west_services
