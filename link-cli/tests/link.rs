@@ -78,7 +78,29 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
         ],
         None,
     );
-    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    // The controller runs as its ServiceAccount with the RBAC from deploy/, not as admin.
+    let rbac = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/rbac.yaml");
+    kubectl(&kc, &["--context", "east", "apply", "-f", rbac], None);
+    strait_testenv::workloads::wait_for_service_account(
+        &ec,
+        "strait-multicluster",
+        "strait-mirror",
+        WAIT,
+    )
+    .await
+    .unwrap();
+    let request: k8s_openapi::api::authentication::v1::TokenRequest =
+        serde_json::from_value(json!({"spec": {"expirationSeconds": 3600}})).unwrap();
+    let mirror_token = Api::<ServiceAccount>::namespaced(ec.clone(), "strait-multicluster")
+        .create_token_request("strait-mirror", &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+        .unwrap();
+    let as_mirror = east.client_with_token(&mirror_token).await.unwrap();
+    let controller = tokio::spawn(strait_mirror::run(as_mirror, Default::default()));
 
     ensure_namespace(&ec, "shop").await.unwrap();
     ensure_namespace(&wc, "shop").await.unwrap();
