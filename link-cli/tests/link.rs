@@ -43,6 +43,29 @@ fn kubectl(kc: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// One kubeconfig with contexts east and west, and the committed Link CRD
+/// installed in east with the stock kubectl.
+fn kubeconfig_with_crd(east: &Cluster, west: &Cluster) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("kubeconfig");
+    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
+    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
+    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
+    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
+    kubectl(
+        &kc,
+        &[
+            "--context",
+            "east",
+            "wait",
+            "--for=condition=Established",
+            "crd/links.multicluster.strait.dev",
+        ],
+        None,
+    );
+    (dir, kc)
+}
+
 fn claims(jwt: &str) -> serde_json::Value {
     use base64::Engine as _;
     let payload = jwt.split('.').nth(1).expect("a JWT");
@@ -59,25 +82,9 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
     let (ec, wc) = (east.client(), west.client());
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("kubeconfig");
-    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
-    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
+    let (_dir, kc) = kubeconfig_with_crd(&east, &west);
 
     // Install the committed CRD with kubectl; run the controller on east.
-    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
-    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
-    kubectl(
-        &kc,
-        &[
-            "--context",
-            "east",
-            "wait",
-            "--for=condition=Established",
-            "crd/links.multicluster.strait.dev",
-        ],
-        None,
-    );
     // The controller runs as its ServiceAccount with the RBAC from deploy/, not as admin.
     let rbac = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/rbac.yaml");
     kubectl(&kc, &["--context", "east", "apply", "-f", rbac], None);
@@ -252,23 +259,7 @@ async fn the_controller_renews_the_link_token_before_it_expires() {
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
     let (ec, wc) = (east.client(), west.client());
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("kubeconfig");
-    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
-    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
-    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
-    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
-    kubectl(
-        &kc,
-        &[
-            "--context",
-            "east",
-            "wait",
-            "--for=condition=Established",
-            "crd/links.multicluster.strait.dev",
-        ],
-        None,
-    );
+    let (_dir, kc) = kubeconfig_with_crd(&east, &west);
     // Renew after 1 % of a 10-minute token (the API server's shortest): ~6 s.
     let controller = tokio::spawn(strait_mirror::run(
         ec.clone(),

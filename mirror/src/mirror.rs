@@ -87,6 +87,28 @@ pub fn mirror_service(remote: &Service, link: &LinkSpec) -> Option<Service> {
     })
 }
 
+/// The slice ports of a mirror Service, each port number chosen by `port`.
+fn endpoint_ports(
+    mirror: &Service,
+    port: impl Fn(&ServicePort) -> i32,
+) -> Option<Vec<EndpointPort>> {
+    Some(
+        mirror
+            .spec
+            .as_ref()?
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| EndpointPort {
+                name: p.name.clone(),
+                port: Some(port(p)),
+                protocol: p.protocol.clone(),
+                app_protocol: p.app_protocol.clone(),
+            })
+            .collect(),
+    )
+}
+
 /// Whether any remote EndpointSlice of the service has a ready endpoint.
 pub fn has_ready_endpoints(slices: &[&EndpointSlice]) -> bool {
     slices
@@ -111,19 +133,8 @@ pub fn mirror_endpoint_slice(
         .filter(|ip| ip.is_ipv4())
         .map(|ip| ip.to_string())
         .collect::<Vec<_>>();
-    let ports = mirror
-        .spec
-        .as_ref()?
-        .ports
-        .iter()
-        .flatten()
-        .map(|p| EndpointPort {
-            name: p.name.clone(),
-            port: Some(i32::from(link.gateway_port)),
-            protocol: p.protocol.clone(),
-            app_protocol: p.app_protocol.clone(),
-        })
-        .collect::<Vec<_>>();
+    // Every service port reaches the gateway on its one port.
+    let ports = endpoint_ports(mirror, |_| i32::from(link.gateway_port))?;
     let endpoints: Vec<Endpoint> = ipv4
         .iter()
         .map(|ip| Endpoint {
@@ -241,21 +252,7 @@ pub fn headless_endpoint_slice(
             .collect(),
     );
     // Callers reach the per-pod mirrors on the service's own ports.
-    slice.ports = Some(
-        mirror
-            .spec
-            .as_ref()?
-            .ports
-            .iter()
-            .flatten()
-            .map(|p| EndpointPort {
-                name: p.name.clone(),
-                port: Some(p.port),
-                protocol: p.protocol.clone(),
-                app_protocol: p.app_protocol.clone(),
-            })
-            .collect(),
-    );
+    slice.ports = Some(endpoint_ports(mirror, |p| p.port)?);
     Some(slice)
 }
 

@@ -121,6 +121,17 @@ async fn export_web(west: &Client, ns: &str) {
     .unwrap();
 }
 
+/// East and west running, the Link CRD in east, `shop/web` exported from west
+/// with one ready pod.
+async fn pair_with_web() -> (Cluster, Cluster) {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    install_crd(&east.client()).await;
+    ensure_namespace(&east.client(), "shop").await.unwrap();
+    export_web(&west.client(), "shop").await;
+    (east, west)
+}
+
 async fn mirror_slice(east: &Client, ns: &str, name: &str) -> Result<EndpointSlice, String> {
     Api::<EndpointSlice>::namespaced(east.clone(), ns)
         .get(name)
@@ -139,12 +150,8 @@ fn ready(slice: &EndpointSlice) -> Vec<bool> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and_unlink() {
-    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
-    let (east, west) = (east.unwrap(), west.unwrap());
+    let (east, west) = pair_with_web().await;
     let (ec, wc) = (east.client(), west.client());
-    install_crd(&ec).await;
-    ensure_namespace(&ec, "shop").await.unwrap();
-    export_web(&wc, "shop").await;
     let metrics = strait_mirror::metrics::MirrorMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
@@ -375,12 +382,8 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_overwritten() {
-    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
-    let (east, west) = (east.unwrap(), west.unwrap());
+    let (east, west) = pair_with_web().await;
     let (ec, wc) = (east.client(), west.client());
-    install_crd(&ec).await;
-    ensure_namespace(&ec, "shop").await.unwrap();
-    export_web(&wc, "shop").await;
     // A local, non-mirror Service already named like a mirror of the second link.
     let local_services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     local_services
@@ -492,12 +495,8 @@ async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_over
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_steady_state_the_controller_writes_nothing() {
-    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
-    let (east, west) = (east.unwrap(), west.unwrap());
-    let (ec, wc) = (east.client(), west.client());
-    install_crd(&ec).await;
-    ensure_namespace(&ec, "shop").await.unwrap();
-    export_web(&wc, "shop").await;
+    let (east, west) = pair_with_web().await;
+    let ec = east.client();
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
@@ -552,12 +551,8 @@ async fn condition(links: &Api<Link>, name: &str, type_: &str) -> Option<(String
 async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() {
     // Controller logs land in the test's captured output, shown if it fails.
     strait_mesh::telemetry::init_tracing(Default::default(), "strait_mirror=debug,warn");
-    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
-    let (east, mut west) = (east.unwrap(), west.unwrap());
+    let (east, mut west) = pair_with_web().await;
     let (ec, wc) = (east.client(), west.client());
-    install_crd(&ec).await;
-    ensure_namespace(&ec, "shop").await.unwrap();
-    export_web(&wc, "shop").await;
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");

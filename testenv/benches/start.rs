@@ -10,18 +10,7 @@
 use std::time::{Duration, Instant};
 
 use strait_testenv::Cluster;
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
+use strait_testenv::process::rss_kib;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {

@@ -209,3 +209,16 @@ pub fn terminate(pid: u32, grace: Duration) -> bool {
     std::thread::sleep(Duration::from_millis(100));
     !is_alive(pid)
 }
+
+/// Resident memory of a process in KiB (0 if it is gone), from /proc.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
