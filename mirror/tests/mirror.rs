@@ -51,8 +51,8 @@ async fn install_crd(client: &Client) {
     .await;
 }
 
-/// Secret with a kubeconfig for `remote`, and a Link named after `cluster_name`.
-async fn link(local: &Client, remote: &Cluster, cluster_name: &str, secret: Option<&str>) {
+/// A credentials Secret (when given a kubeconfig) and a Link named after `cluster_name`.
+async fn link(local: &Client, cluster_name: &str, secret: Option<&str>) {
     ensure_namespace(local, "strait-multicluster")
         .await
         .unwrap();
@@ -69,7 +69,6 @@ async fn link(local: &Client, remote: &Cluster, cluster_name: &str, secret: Opti
             .await
             .unwrap();
     }
-    let _ = remote;
     let links: Api<Link> = Api::namespaced(local.clone(), "strait-multicluster");
     links
         .create(
@@ -160,7 +159,7 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
         ..Default::default()
     };
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), config));
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     let mirror = eventually("mirror web-west in east", WAIT, || async {
@@ -398,9 +397,9 @@ async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_over
         .unwrap();
 
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
-    link(&ec, &west, "broken", None).await; // its Secret does not exist
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
-    link(&ec, &west, "west2", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "broken", None).await; // its Secret does not exist
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "west2", Some(&admin_kubeconfig(&west))).await;
 
     eventually(
         "the healthy link mirrors despite the broken one",
@@ -498,7 +497,7 @@ async fn at_steady_state_the_controller_writes_nothing() {
     let (east, west) = pair_with_web().await;
     let ec = east.client();
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     eventually("mirror ready", WAIT, || async {
         let s = mirror_slice(&ec, "shop", "web-west").await?;
@@ -554,7 +553,7 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
     let (east, mut west) = pair_with_web().await;
     let (ec, wc) = (east.client(), west.client());
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     eventually("mirror", WAIT, || async {
         services
@@ -672,8 +671,8 @@ async fn one_controller_serves_links_to_two_clusters() {
     export_web(&west.client(), "shop").await;
     export_web(&north.client(), "shop").await;
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
-    link(&ec, &north, "north", Some(&admin_kubeconfig(&north))).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "north", Some(&admin_kubeconfig(&north))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     for name in ["web-west", "web-north"] {
         eventually(name, WAIT, || async {
@@ -743,7 +742,7 @@ async fn headless_services_get_per_pod_mirrors() {
         create_ready_pod(&wc, &pod).await.unwrap();
     }
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
-    link(&ec, &west, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "data");
     let headless = eventually("headless mirror db-west", WAIT, || async {
