@@ -15,5 +15,10 @@ say "cargo clippy --all-targets -- -D warnings"
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 build_control_plane
 say "cargo test --workspace"
-cargo test --workspace
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+cargo test --workspace 2>&1 | tee "$log"
 check_no_orphans
+# One closing line with the totals of every test binary (cargo prints one line per binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
