@@ -49,6 +49,9 @@ struct WorkerHandle {
 /// Controller settings.
 #[derive(Clone, Debug)]
 pub struct MirrorConfig {
+    /// The namespace holding Links and their credentials Secrets. Only there
+    /// may the controller read Secrets (least privilege: not cluster-wide).
+    pub namespace: String,
     /// Fraction of a link token's lifetime after which it is renewed.
     pub token_renew_at: f64,
     /// Where the controller's metrics go (register them with the admin server's registry).
@@ -58,6 +61,7 @@ pub struct MirrorConfig {
 impl Default for MirrorConfig {
     fn default() -> Self {
         Self {
+            namespace: "strait-multicluster".into(),
             token_renew_at: 0.7,
             metrics: Default::default(),
         }
@@ -90,13 +94,13 @@ impl Context {
 /// Runs the controller until the future is dropped.
 pub async fn run(client: Client, config: MirrorConfig) {
     let ctx = Arc::new(Context::new(client.clone(), config));
-    let links: Api<Link> = Api::all(client.clone());
+    let links: Api<Link> = Api::namespaced(client.clone(), &ctx.config.namespace);
     let controller = Controller::new(links, watcher::Config::default());
     let store = controller.store();
     controller
         // A changed credentials Secret restarts the Links that use it.
         .watches(
-            Api::<Secret>::all(client),
+            Api::<Secret>::namespaced(client, &ctx.config.namespace),
             watcher::Config::default(),
             move |secret| {
                 store

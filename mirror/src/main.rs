@@ -16,6 +16,13 @@ struct Args {
     /// Address of the admin server (`/live`, `/ready`, `/metrics`).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
     admin_addr: std::net::SocketAddr,
+    /// Namespace of the Links and their credentials Secrets.
+    #[arg(
+        long,
+        env = "STRAIT_LINK_NAMESPACE",
+        default_value = "strait-multicluster"
+    )]
+    namespace: String,
     /// Renew link tokens after this fraction of their lifetime.
     #[arg(long, default_value_t = 0.7)]
     token_renew_at: f64,
@@ -52,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
     strait_mirror::run(
         client,
         strait_mirror::MirrorConfig {
+            namespace: args.namespace,
             token_renew_at: args.token_renew_at,
             metrics,
         },
