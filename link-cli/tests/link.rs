@@ -10,7 +10,7 @@ use kube::Api;
 use kube::api::{ListParams, PostParams};
 use serde_json::json;
 use strait_mesh::link::Link;
-use strait_testenv::wait::eventually;
+use strait_testenv::wait::{eventually, until_exists};
 use strait_testenv::workloads::ensure_namespace;
 use strait_testenv::{Cluster, kubeconfig};
 
@@ -150,13 +150,12 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
     );
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
-    eventually("mirror web-west via strait link", WAIT, || async {
-        services
-            .get("web-west")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
+    until_exists(
+        "mirror web-west via strait link",
+        WAIT,
+        &services,
+        "web-west",
+    )
     .await;
 
     // The credentials: an expiring TokenRequest token of a least-privilege ServiceAccount.
@@ -347,13 +346,6 @@ async fn the_controller_renews_the_link_token_before_it_expires() {
         .await
         .unwrap();
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
-    eventually("mirror after renewal", WAIT, || async {
-        services
-            .get("late-west")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
-    .await;
+    until_exists("mirror after renewal", WAIT, &services, "late-west").await;
     controller.abort();
 }

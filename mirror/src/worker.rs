@@ -264,21 +264,12 @@ async fn run_once(
     }
     status.set_health(LinkHealth::remote_ok()).await;
     let mut state = LinkState::default();
-    sync(
-        local,
-        spec,
-        &svc_reader,
-        &slice_reader,
-        &mut state,
-        status,
-        true,
-    )
-    .await;
+    // One sync pass over this Link's stores; `full` also removes orphans.
+    let pass = async |state: &mut LinkState, full: bool| {
+        sync(local, spec, &svc_reader, &slice_reader, state, status, full).await
+    };
+    pass(&mut state, true).await;
     let mut remote_ok = true;
-    let ttl = spec
-        .staleness_ttl
-        .as_deref()
-        .and_then(|t| humantime::parse_duration(t).ok());
     let mut unreachable_since: Option<tokio::time::Instant> = None;
     loop {
         // Past the staleness TTL, a silent remote's endpoints turn not ready.
@@ -287,22 +278,13 @@ async fn run_once(
         {
             tracing::warn!(cluster = %spec.target_cluster_name, "remote silent for {ttl:?}: marking its endpoints not ready");
             state.stale = true;
-            sync(
-                local,
-                spec,
-                &svc_reader,
-                &slice_reader,
-                &mut state,
-                status,
-                false,
-            )
-            .await;
+            pass(&mut state, false).await;
         }
         tokio::select! {
             _ = notify.notified() => {
                 // Coalesce bursts (a deployment rollout touches many slices).
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
+                pass(&mut state, false).await;
             }
             Some(h) = health_rx.recv() => match h {
                 Ok(()) if !remote_ok => {
@@ -311,7 +293,7 @@ async fn run_once(
                     status.set_health(LinkHealth::remote_ok()).await;
                     if state.stale {
                         state.stale = false;
-                        sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
+                        pass(&mut state, false).await;
                     }
                 }
                 Err(e) if remote_ok => {
@@ -325,7 +307,7 @@ async fn run_once(
             // Periodic pass: retries failed writes (a namespace created later, a conflict
             // removed); also wakes the staleness check.
             _ = tokio::time::sleep(ttl.map_or(Duration::from_secs(10), |t| t.min(Duration::from_secs(10)) / 2)) => {
-                sync(local, spec, &svc_reader, &slice_reader, &mut state, status, false).await;
+                pass(&mut state, false).await;
             }
         }
     }

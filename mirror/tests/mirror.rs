@@ -10,7 +10,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::Link;
-use strait_testenv::wait::eventually;
+use strait_testenv::wait::{eventually, until_exists};
 use strait_testenv::workloads::{
     TestPod, create_node, create_ready_pod, ensure_namespace, set_pod_ready,
 };
@@ -162,10 +162,7 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
     link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
-    let mirror = eventually("mirror web-west in east", WAIT, || async {
-        services.get("web-west").await.map_err(|e| e.to_string())
-    })
-    .await;
+    let mirror = until_exists("mirror web-west in east", WAIT, &services, "web-west").await;
     let labels = mirror.labels();
     assert_eq!(
         labels
@@ -346,14 +343,7 @@ async fn exported_services_are_mirrored_follow_edits_and_leave_with_unexport_and
         )
         .await
         .unwrap();
-    eventually("mirror back after re-export", WAIT, || async {
-        services
-            .get("web-west")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
-    .await;
+    until_exists("mirror back after re-export", WAIT, &services, "web-west").await;
     links
         .delete("west", &DeleteParams::default())
         .await
@@ -469,25 +459,23 @@ async fn a_broken_link_does_not_stop_another_and_conflicts_are_reported_not_over
         .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "cluster-credentials-broken"}, "stringData": {"kubeconfig": admin_kubeconfig(&west)}})))
         .await
         .unwrap();
-    eventually("the repaired link mirrors", WAIT, || async {
-        local_services
-            .get("web-broken")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
+    until_exists(
+        "the repaired link mirrors",
+        WAIT,
+        &local_services,
+        "web-broken",
+    )
     .await;
 
     // The missing namespace appears: the mirror follows (failed writes are retried).
     ensure_namespace(&ec, "only-west").await.unwrap();
     let in_new_ns: Api<Service> = Api::namespaced(ec.clone(), "only-west");
-    eventually("mirror in the namespace created later", WAIT, || async {
-        in_new_ns
-            .get("api-west")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
+    until_exists(
+        "mirror in the namespace created later",
+        WAIT,
+        &in_new_ns,
+        "api-west",
+    )
     .await;
     controller.abort();
 }
@@ -555,14 +543,7 @@ async fn a_remote_outage_keeps_mirrors_sets_a_condition_and_resyncs_on_return() 
     let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
     link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
-    eventually("mirror", WAIT, || async {
-        services
-            .get("web-west")
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
-    .await;
+    until_exists("mirror", WAIT, &services, "web-west").await;
     let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
     links
         .patch(
@@ -675,14 +656,7 @@ async fn one_controller_serves_links_to_two_clusters() {
     link(&ec, "north", Some(&admin_kubeconfig(&north))).await;
     let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
     for name in ["web-west", "web-north"] {
-        eventually(name, WAIT, || async {
-            services
-                .get(name)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        })
-        .await;
+        until_exists(name, WAIT, &services, name).await;
     }
     let north_mirror = services.get("web-north").await.unwrap();
     assert_eq!(
@@ -745,10 +719,7 @@ async fn headless_services_get_per_pod_mirrors() {
     link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
 
     let services: Api<Service> = Api::namespaced(ec.clone(), "data");
-    let headless = eventually("headless mirror db-west", WAIT, || async {
-        services.get("db-west").await.map_err(|e| e.to_string())
-    })
-    .await;
+    let headless = until_exists("headless mirror db-west", WAIT, &services, "db-west").await;
     assert_eq!(
         headless.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()),
         Some("None")
@@ -756,10 +727,7 @@ async fn headless_services_get_per_pod_mirrors() {
     let mut pod_ips = BTreeMap::new();
     for pod in ["db-0", "db-1"] {
         let name = format!("{pod}-west");
-        let svc = eventually(&name, WAIT, || async {
-            services.get(&name).await.map_err(|e| e.to_string())
-        })
-        .await;
+        let svc = until_exists(&name, WAIT, &services, &name).await;
         assert_eq!(
             svc.annotations()
                 .get("strait.dev/remote-svc-fq-name")

@@ -22,3 +22,14 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Waits until the object `name` exists in `api` and returns it.
+pub async fn until_exists<K>(what: &str, timeout: Duration, api: &kube::Api<K>, name: &str) -> K
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    eventually(what, timeout, || async {
+        api.get(name).await.map_err(|e| e.to_string())
+    })
+    .await
+}
