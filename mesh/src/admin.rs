@@ -1,5 +1,10 @@
 //! The admin server every component runs on port 4191: `/live`, `/ready`
 //! (503 until the component says it is ready) and `/metrics` (OpenMetrics text).
+//!
+//! A gateway's admin port also answers over mutual TLS on the same port, told
+//! apart by the first byte (a TLS handshake record): kubelet and Prometheus
+//! speak plain HTTP, while remote mirror controllers probe `/ready` over mTLS
+//! and check the gateway's identity.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -31,27 +36,59 @@ pub async fn spawn(
     readiness: Readiness,
     registry: Arc<Registry>,
 ) -> std::io::Result<SocketAddr> {
+    spawn_with_tls(addr, readiness, registry, None).await
+}
+
+/// Like [`spawn`]; with `tls`, connections that open with a TLS handshake are
+/// served over it (the config decides whether client certificates are required).
+pub async fn spawn_with_tls(
+    addr: SocketAddr,
+    readiness: Readiness,
+    registry: Arc<Registry>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
             let (readiness, registry) = (readiness.clone(), registry.clone());
+            let acceptor = acceptor.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
                     let response = handle(&req, &readiness, &registry);
                     async move { Ok::<_, std::convert::Infallible>(response) }
                 });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                let http = hyper::server::conn::http1::Builder::new();
+                let mut first = [0u8; 1];
+                let peeked = tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.peek(&mut first)).await;
+                match (acceptor, peeked) {
+                    (Some(acceptor), Ok(Ok(1))) if first[0] == TLS_HANDSHAKE_RECORD => {
+                        let Ok(Ok(tls)) =
+                            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await
+                        else {
+                            return;
+                        };
+                        let _ = http.serve_connection(TokioIo::new(tls), service).await;
+                    }
+                    (_, Ok(Ok(_))) => {
+                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                    }
+                    _ => {}
+                }
             });
         }
     });
     Ok(local)
 }
+
+/// First byte of a TLS ClientHello record.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+/// How long a client may take to send its first bytes or finish a handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn handle<B>(
     req: &Request<B>,

@@ -39,6 +39,14 @@ pub fn init_tracing(format: LogFormat, default_filter: &str) {
     };
 }
 
+/// For integration tests that run components in-process: logs go through the
+/// test harness's capture, so they show only for a test that fails.
+pub fn init_test_tracing(default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let _ = fmt().with_env_filter(filter).with_test_writer().try_init();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

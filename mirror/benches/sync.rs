@@ -57,7 +57,10 @@ async fn setup() -> Env {
     let controller = ChildProcess::spawn_with_env(
         "strait-mirror",
         std::path::Path::new(env!("CARGO_BIN_EXE_strait-mirror")),
-        &["--admin-addr=127.0.0.1:0".to_string()],
+        &[
+            "--admin-addr=127.0.0.1:0".to_string(),
+            "--no-gateway-probe".to_string(),
+        ],
         &[
             ("KUBECONFIG", east.kubeconfig_path().as_os_str()),
             ("RUST_LOG", std::ffi::OsStr::new("warn")),

@@ -8,6 +8,8 @@
 
 pub mod metrics;
 pub mod mirror;
+pub mod probe;
+pub mod resolve;
 pub mod status;
 pub mod token;
 pub mod worker;
@@ -56,6 +58,11 @@ pub struct MirrorConfig {
     pub token_renew_at: f64,
     /// Where the controller's metrics go (register them with the admin server's registry).
     pub metrics: metrics::MirrorMetrics,
+    /// The controller's own identity, for probing gateways over mTLS. Without
+    /// one, gateways are not probed (and the GatewayAlive condition says so).
+    pub identity: Option<probe::ProbeIdentity>,
+    /// Where gateway hostnames are resolved.
+    pub dns: resolve::DnsConfig,
 }
 
 impl Default for MirrorConfig {
@@ -64,6 +71,8 @@ impl Default for MirrorConfig {
             namespace: "strait-multicluster".into(),
             token_renew_at: 0.7,
             metrics: Default::default(),
+            identity: None,
+            dns: Default::default(),
         }
     }
 }

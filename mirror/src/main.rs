@@ -6,6 +6,8 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use kube::CustomResourceExt;
 use strait_mesh::admin::{self, Readiness};
+use strait_mesh::identity::client::IdentityMetrics;
+use strait_mesh::identity::workload::IdentityArgs;
 use strait_mesh::link::Link;
 use strait_mesh::telemetry::{LogFormat, init_tracing};
 
@@ -26,6 +28,14 @@ struct Args {
     /// Renew link tokens after this fraction of their lifetime.
     #[arg(long, default_value_t = 0.7)]
     token_renew_at: f64,
+    /// Do not probe gateways (no identity needed); every gateway counts as alive.
+    #[arg(long)]
+    no_gateway_probe: bool,
+    /// Resolve gateway hostnames with these DNS servers (`ip:port`) instead of the system's.
+    #[arg(long, value_delimiter = ',')]
+    dns_server: Vec<std::net::SocketAddr>,
+    #[command(flatten)]
+    identity: IdentityArgs,
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
@@ -47,14 +57,38 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     init_tracing(args.log_format, "info");
-    let client = kube::Client::try_default().await?;
     let readiness = Readiness::default();
     let metrics = strait_mirror::metrics::MirrorMetrics::default();
+    let identity_metrics = IdentityMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
+    identity_metrics.register(&mut registry);
     let registry = Arc::new(registry);
     let admin = admin::spawn(args.admin_addr, readiness.clone(), registry).await?;
     tracing::info!(%admin, "mirror controller starting");
+    // The identity is held for the life of the process: it keeps refreshing.
+    let workload = if args.no_gateway_probe {
+        tracing::warn!("--no-gateway-probe: gateways are not probed and count as alive");
+        None
+    } else {
+        let w = args.identity.start(identity_metrics).await.map_err(|e| {
+            anyhow::anyhow!("{e}\n(the gateway probe needs this controller's identity; pass --no-gateway-probe to run without it)")
+        })?;
+        tracing::info!(identity = %w.identity.id(), "identity loaded");
+        Some(w)
+    };
+    let client = kube::Client::try_default().await?;
+    let identity = workload
+        .as_ref()
+        .map(|w| strait_mirror::probe::ProbeIdentity {
+            bundle: w.bundle.clone(),
+            cert: w.identity.cert(),
+        });
+    let dns = if args.dns_server.is_empty() {
+        strait_mirror::resolve::DnsConfig::System
+    } else {
+        strait_mirror::resolve::DnsConfig::Servers(args.dns_server)
+    };
     readiness.set_ready(true);
     strait_mirror::run(
         client,
@@ -62,6 +96,8 @@ async fn main() -> anyhow::Result<()> {
             namespace: args.namespace,
             token_renew_at: args.token_renew_at,
             metrics,
+            identity,
+            dns,
         },
     )
     .await;

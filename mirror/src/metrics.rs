@@ -25,6 +25,9 @@ pub struct MirrorMetrics {
     pub remote_reachable: Family<LinkLabels, Gauge>,
     pub mirror_errors: Family<ErrorLabels, Counter>,
     pub sync_duration: Family<LinkLabels, Histogram>,
+    pub gateway_alive: Family<LinkLabels, Gauge>,
+    pub probe_latency: Family<LinkLabels, Histogram>,
+    pub probe_failures: Family<LinkLabels, Counter>,
 }
 
 impl Default for MirrorMetrics {
@@ -36,6 +39,11 @@ impl Default for MirrorMetrics {
             sync_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.0005, 2.0, 16))
             }),
+            gateway_alive: Family::default(),
+            probe_latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+            }),
+            probe_failures: Family::default(),
         }
     }
 }
@@ -48,6 +56,7 @@ impl MirrorMetrics {
         };
         self.mirrored_services.remove(&labels);
         self.remote_reachable.remove(&labels);
+        self.gateway_alive.remove(&labels);
     }
 
     pub fn register(&self, registry: &mut Registry) {
@@ -70,6 +79,21 @@ impl MirrorMetrics {
             "mirror_sync_duration_seconds",
             "Time of one pass that brings a Link's mirrors in line with its remote",
             self.sync_duration.clone(),
+        );
+        registry.register(
+            "mirror_gateway_alive",
+            "1 while at least one of the Link's gateway addresses answers the probe",
+            self.gateway_alive.clone(),
+        );
+        registry.register(
+            "mirror_gateway_probe_latency_seconds",
+            "Time of successful gateway probes (connect, mTLS handshake, request)",
+            self.probe_latency.clone(),
+        );
+        registry.register(
+            "mirror_gateway_probe_failures",
+            "Gateway probes that failed",
+            self.probe_failures.clone(),
         );
     }
 }

@@ -2,8 +2,8 @@
 //! EndpointSlices and the Link to the local Service and EndpointSlice.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 
+use crate::probe::GatewayEndpoint;
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -118,33 +118,32 @@ pub fn has_ready_endpoints(slices: &[&EndpointSlice]) -> bool {
 }
 
 /// The mirror's EndpointSlice: every gateway address with the gateway port for
-/// each service port, ready only if the remote has ready endpoints and the
-/// gateway is alive.
+/// each service port; an address is ready only if the remote service has ready
+/// endpoints (`ready`) and that gateway address answers its probe.
 pub fn mirror_endpoint_slice(
     mirror: &Service,
     link: &LinkSpec,
-    gateway_ips: &[IpAddr],
+    gateways: &[GatewayEndpoint],
     ready: bool,
 ) -> Option<EndpointSlice> {
     let name = mirror.metadata.name.clone()?;
     let namespace = mirror.metadata.namespace.clone()?;
-    let ipv4 = gateway_ips
-        .iter()
-        .filter(|ip| ip.is_ipv4())
-        .map(|ip| ip.to_string())
-        .collect::<Vec<_>>();
     // Every service port reaches the gateway on its one port.
     let ports = endpoint_ports(mirror, |_| i32::from(link.gateway_port))?;
-    let endpoints: Vec<Endpoint> = ipv4
+    let endpoints: Vec<Endpoint> = gateways
         .iter()
-        .map(|ip| Endpoint {
-            addresses: vec![ip.clone()],
-            conditions: Some(EndpointConditions {
-                ready: Some(ready),
-                serving: Some(ready),
-                terminating: Some(false),
-            }),
-            ..Default::default()
+        .filter(|g| g.ip.is_ipv4())
+        .map(|g| {
+            let ready = ready && g.alive;
+            Endpoint {
+                addresses: vec![g.ip.to_string()],
+                conditions: Some(EndpointConditions {
+                    ready: Some(ready),
+                    serving: Some(ready),
+                    terminating: Some(false),
+                }),
+                ..Default::default()
+            }
         })
         .collect();
     let mut labels = BTreeMap::from([
@@ -309,27 +308,47 @@ mod tests {
     }
 
     #[test]
-    fn endpoint_slice_points_at_the_gateway() {
+    fn endpoint_slice_points_at_the_gateway_and_follows_its_liveness() {
+        let gw = |ip: &str, alive| GatewayEndpoint {
+            ip: ip.parse().unwrap(),
+            alive,
+        };
+        let readiness = |s: &EndpointSlice| -> Vec<(String, Option<bool>)> {
+            s.endpoints
+                .iter()
+                .flatten()
+                .map(|e| {
+                    (
+                        e.addresses[0].clone(),
+                        e.conditions.as_ref().and_then(|c| c.ready),
+                    )
+                })
+                .collect()
+        };
         let m = mirror_service(&remote(), &link()).unwrap();
-        let s = mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], true).unwrap();
+        let gateways = [gw("10.0.0.9", true), gw("10.0.0.10", false)];
+        let s = mirror_endpoint_slice(&m, &link(), &gateways, true).unwrap();
         assert_eq!(
-            s.endpoints.as_ref().unwrap()[0].addresses,
-            vec!["10.0.0.9".to_string()]
+            readiness(&s),
+            vec![
+                ("10.0.0.9".to_string(), Some(true)),
+                ("10.0.0.10".to_string(), Some(false))
+            ],
+            "a dead gateway address is not ready, a live one is"
         );
         assert_eq!(s.ports.as_ref().unwrap()[0].port, Some(4143));
         assert_eq!(
             s.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL],
             "web-west"
         );
-        let not_ready =
-            mirror_endpoint_slice(&m, &link(), &["10.0.0.9".parse().unwrap()], false).unwrap();
+        let not_ready = mirror_endpoint_slice(&m, &link(), &gateways, false).unwrap();
         assert_eq!(
-            not_ready.endpoints.as_ref().unwrap()[0]
-                .conditions
-                .as_ref()
-                .unwrap()
-                .ready,
-            Some(false)
+            readiness(&not_ready),
+            vec![
+                ("10.0.0.9".to_string(), Some(false)),
+                ("10.0.0.10".to_string(), Some(false))
+            ],
+            "no ready remote endpoints: nothing is ready"
         );
     }
 }

@@ -17,7 +17,8 @@ use crate::metrics::{ErrorLabels, LinkLabels, MirrorMetrics};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinkHealth {
     pub condition: &'static str,
-    pub ok: bool,
+    /// "True", "False" or "Unknown".
+    pub status: &'static str,
     pub reason: String,
     pub message: String,
 }
@@ -26,7 +27,7 @@ impl LinkHealth {
     pub fn credentials_ok() -> Self {
         Self {
             condition: "CredentialsValid",
-            ok: true,
+            status: "True",
             reason: "Loaded".into(),
             message: "credentials Secret loaded".into(),
         }
@@ -34,7 +35,7 @@ impl LinkHealth {
     pub fn credentials_invalid(message: &str) -> Self {
         Self {
             condition: "CredentialsValid",
-            ok: false,
+            status: "False",
             reason: "InvalidCredentials".into(),
             message: message.into(),
         }
@@ -42,7 +43,7 @@ impl LinkHealth {
     pub fn remote_ok() -> Self {
         Self {
             condition: "RemoteReachable",
-            ok: true,
+            status: "True",
             reason: "Watching".into(),
             message: "watching the remote API server".into(),
         }
@@ -50,10 +51,37 @@ impl LinkHealth {
     pub fn remote_unreachable(message: &str) -> Self {
         Self {
             condition: "RemoteReachable",
-            ok: false,
+            status: "False",
             reason: "RemoteUnreachable".into(),
             message: format!("{message}; mirrors are kept as they were, retrying"),
         }
+    }
+    pub fn gateway_alive(message: &str) -> Self {
+        Self {
+            condition: "GatewayAlive",
+            status: "True",
+            reason: "ProbeSucceeded".into(),
+            message: message.into(),
+        }
+    }
+    pub fn gateway_down(reason: &str, message: &str) -> Self {
+        Self {
+            condition: "GatewayAlive",
+            status: "False",
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+    pub fn gateway_unknown(reason: &str, message: &str) -> Self {
+        Self {
+            condition: "GatewayAlive",
+            status: "Unknown",
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+    fn ok(&self) -> bool {
+        self.status == "True"
     }
 }
 
@@ -121,11 +149,11 @@ impl StatusReporter {
             self.metrics
                 .remote_reachable
                 .get_or_create(&self.labels())
-                .set(i64::from(health.ok));
+                .set(i64::from(health.ok()));
         }
         let changed = {
             let mut state = self.state.lock().await;
-            let status = if health.ok { "True" } else { "False" };
+            let status = health.status;
             let existing = state
                 .conditions
                 .iter_mut()
@@ -161,7 +189,7 @@ impl StatusReporter {
                 }
             }
         };
-        if changed && !health.ok {
+        if changed && health.status == "False" {
             self.event(EventType::Warning, &health.reason, &health.message)
                 .await;
         }

@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +23,7 @@ use strait_mesh::link::{
 use tokio::sync::{Notify, watch};
 
 use crate::mirror::{self, SERVICE_NAME_LABEL};
+use crate::probe::{GatewayEndpoint, GatewayProbe, ProbeSettings};
 use crate::status::{LinkHealth, StatusReporter};
 
 /// Field manager of every write.
@@ -132,10 +132,13 @@ pub async fn run(
         link.namespace().unwrap_or_default(),
         link.name_any()
     );
+    let gateways = spawn_gateway_watch(&link, &status, &config, &key);
+    let _gateway_tasks = AbortOnDrop(gateways.1);
+    let gateways = gateways.0;
     let mut backoff = Duration::from_millis(500);
     loop {
         let outcome = tokio::select! {
-            r = run_once(&local, &link, &status, &config) => r,
+            r = run_once(&local, &link, &status, &config, gateways.clone()) => r,
             _ = stop.changed() => return,
         };
         if let Err(message) = outcome {
@@ -149,11 +152,50 @@ pub async fn run(
     }
 }
 
+/// Starts resolving and probing the Link's gateway; the receiver carries its
+/// addresses and whether each is alive (`None` until first known).
+fn spawn_gateway_watch(
+    link: &Link,
+    status: &StatusReporter,
+    config: &crate::MirrorConfig,
+    key: &str,
+) -> (GatewayWatch, Vec<tokio::task::JoinHandle<()>>) {
+    let resolver = match crate::resolve::resolver(&config.dns) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(link = %key, "{e}; gateway hostnames cannot be resolved");
+            None
+        }
+    };
+    let (addr_tx, addr_rx) = watch::channel(None);
+    let (gw_tx, gw_rx) = watch::channel(None);
+    let probe = GatewayProbe {
+        link: key.to_string(),
+        settings: ProbeSettings::from_spec(&link.spec.probe),
+        gateway_identity: link.spec.gateway_identity.clone(),
+        identity: config.identity.clone(),
+        metrics: config.metrics.clone(),
+        status: status.clone(),
+    };
+    let tasks = vec![
+        tokio::spawn(crate::resolve::keep_resolved(
+            resolver,
+            link.spec.gateway_addresses.clone(),
+            addr_tx,
+        )),
+        tokio::spawn(probe.run(addr_rx, gw_tx)),
+    ];
+    (gw_rx, tasks)
+}
+
+type GatewayWatch = watch::Receiver<Option<Vec<GatewayEndpoint>>>;
+
 async fn run_once(
     local: &Client,
     link: &Link,
     status: &StatusReporter,
     config: &crate::MirrorConfig,
+    mut gateways: GatewayWatch,
 ) -> Result<(), String> {
     let spec = &link.spec;
     let remote = match remote_client(local, link).await {
@@ -179,16 +221,12 @@ async fn run_once(
         let mut state = LinkState::default();
         let (no_services, _) = reflector::store::<Service>();
         let (no_slices, _) = reflector::store::<EndpointSlice>();
-        sync(
-            local,
-            spec,
-            &no_services,
-            &no_slices,
-            &mut state,
-            status,
-            true,
-        )
-        .await;
+        let nothing = Remote {
+            services: &no_services,
+            slices: &no_slices,
+            gateways: &[],
+        };
+        sync(local, spec, nothing, &mut state, status, true).await;
         futures::future::pending::<()>().await;
         return Ok(());
     };
@@ -263,12 +301,20 @@ async fn run_once(
         }
     }
     status.set_health(LinkHealth::remote_ok()).await;
+    // The first pass waits for the gateway's addresses (resolved, not yet probed).
+    let _ = gateways.wait_for(Option::is_some).await;
     let mut state = LinkState::default();
     // One sync pass over this Link's stores; `full` also removes orphans.
-    let pass = async |state: &mut LinkState, full: bool| {
-        sync(local, spec, &svc_reader, &slice_reader, state, status, full).await
+    let pass = async |state: &mut LinkState, gateways: &GatewayWatch, full: bool| {
+        let endpoints = gateways.borrow().clone().unwrap_or_default();
+        let remote = Remote {
+            services: &svc_reader,
+            slices: &slice_reader,
+            gateways: &endpoints,
+        };
+        sync(local, spec, remote, state, status, full).await
     };
-    pass(&mut state, true).await;
+    pass(&mut state, &gateways, true).await;
     let mut remote_ok = true;
     let mut unreachable_since: Option<tokio::time::Instant> = None;
     loop {
@@ -278,13 +324,16 @@ async fn run_once(
         {
             tracing::warn!(cluster = %spec.target_cluster_name, "remote silent for {ttl:?}: marking its endpoints not ready");
             state.stale = true;
-            pass(&mut state, false).await;
+            pass(&mut state, &gateways, false).await;
         }
         tokio::select! {
             _ = notify.notified() => {
                 // Coalesce bursts (a deployment rollout touches many slices).
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                pass(&mut state, false).await;
+                pass(&mut state, &gateways, false).await;
+            }
+            Ok(()) = gateways.changed() => {
+                pass(&mut state, &gateways, false).await;
             }
             Some(h) = health_rx.recv() => match h {
                 Ok(()) if !remote_ok => {
@@ -293,7 +342,7 @@ async fn run_once(
                     status.set_health(LinkHealth::remote_ok()).await;
                     if state.stale {
                         state.stale = false;
-                        pass(&mut state, false).await;
+                        pass(&mut state, &gateways, false).await;
                     }
                 }
                 Err(e) if remote_ok => {
@@ -307,7 +356,7 @@ async fn run_once(
             // Periodic pass: retries failed writes (a namespace created later, a conflict
             // removed); also wakes the staleness check.
             _ = tokio::time::sleep(ttl.map_or(Duration::from_secs(10), |t| t.min(Duration::from_secs(10)) / 2)) => {
-                pass(&mut state, false).await;
+                pass(&mut state, &gateways, false).await;
             }
         }
     }
@@ -322,11 +371,13 @@ impl Drop for AbortOnDrop {
     }
 }
 
-fn gateway_ips(spec: &LinkSpec) -> Vec<IpAddr> {
-    spec.gateway_addresses
-        .iter()
-        .filter_map(|a| a.parse().ok())
-        .collect()
+/// What one sync pass mirrors: the remote's exported services and their
+/// slices, and the gateway's addresses with their liveness.
+#[derive(Clone, Copy)]
+struct Remote<'a> {
+    services: &'a Store<Service>,
+    slices: &'a Store<EndpointSlice>,
+    gateways: &'a [GatewayEndpoint],
 }
 
 /// Brings local mirrors in line with the remote stores. `full` also removes
@@ -335,12 +386,16 @@ fn gateway_ips(spec: &LinkSpec) -> Vec<IpAddr> {
 async fn sync(
     local: &Client,
     spec: &LinkSpec,
-    services: &Store<Service>,
-    slices: &Store<EndpointSlice>,
+    remote: Remote<'_>,
     state: &mut LinkState,
     status: &StatusReporter,
     full: bool,
 ) {
+    let Remote {
+        services,
+        slices,
+        gateways,
+    } = remote;
     let started = std::time::Instant::now();
     let stale = state.stale;
     let applied = &mut state.applied;
@@ -355,7 +410,6 @@ async fn sync(
             slices_by_service.entry((ns, svc)).or_default().push(slice);
         }
     }
-    let ips = gateway_ips(spec);
     let remotes = services.state();
     // Mirror services concurrently (bounded): an initial sync of thousands of
     // services is dominated by API round trips, not CPU.
@@ -364,7 +418,7 @@ async fn sync(
         let key = (remote.namespace().unwrap_or_default(), remote.name_any());
         let remote_slices: Vec<Arc<EndpointSlice>> =
             slices_by_service.get(&key).cloned().unwrap_or_default();
-        mirror_one(local, spec, remote, remote_slices, &ips, cache, stale)
+        mirror_one(local, spec, remote, remote_slices, gateways, cache, stale)
     }))
     .buffer_unordered(APPLY_CONCURRENCY)
     .collect()
@@ -537,7 +591,7 @@ async fn mirror_one(
     spec: &LinkSpec,
     remote: Arc<Service>,
     remote_slices: Vec<Arc<EndpointSlice>>,
-    ips: &[IpAddr],
+    gateways: &[GatewayEndpoint],
     cache: &Applied,
     stale: bool,
 ) -> Outcome {
@@ -566,7 +620,7 @@ async fn mirror_one(
             };
             let pod_key = (ns.clone(), pod_svc.name_any());
             wanted.push(pod_key.clone());
-            let pod_slice = mirror::mirror_endpoint_slice(&pod_svc, spec, ips, pod_ready);
+            let pod_slice = mirror::mirror_endpoint_slice(&pod_svc, spec, gateways, pod_ready);
             match apply_mirror(local, &pod_svc, pod_slice.as_ref(), cache, &mut writes).await {
                 Ok(()) => {
                     if let Some(ip) = writes.cluster_ip(cache, &pod_key) {
@@ -582,7 +636,7 @@ async fn mirror_one(
             .and(outcome)
     } else {
         let ready = mirror::has_ready_endpoints(&slices) && !stale;
-        let slice = mirror::mirror_endpoint_slice(&desired, spec, ips, ready);
+        let slice = mirror::mirror_endpoint_slice(&desired, spec, gateways, ready);
         apply_mirror(local, &desired, slice.as_ref(), cache, &mut writes).await
     };
     Outcome {

@@ -33,3 +33,20 @@ fn rejects_an_unknown_flag_with_a_usage_error() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
 }
+
+#[test]
+fn without_an_identity_it_refuses_to_start_and_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strait-mirror"))
+        .args(["--admin-addr=127.0.0.1:0", "--trust-anchors"])
+        .arg(dir.path().join("missing-ca.crt"))
+        .env_remove("KUBECONFIG")
+        .output()
+        .expect("run strait-mirror");
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("missing-ca.crt") && stderr.contains("--no-gateway-probe"),
+        "the error names the missing file and the way out: {stderr}"
+    );
+}

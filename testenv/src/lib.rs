@@ -17,6 +17,7 @@
 
 pub mod cluster;
 pub mod controlplane;
+pub mod dns;
 pub mod kubeconfig;
 pub mod pki;
 pub mod process;

@@ -38,6 +38,8 @@ pub enum CaError {
     Rcgen(#[from] rcgen::Error),
     #[error("validity {0:?} is too short: give at least one minute")]
     TooShort(Duration),
+    #[error("installing the new certificate: {0}")]
+    Slot(String),
 }
 
 fn random_serial() -> SerialNumber {
@@ -220,6 +222,29 @@ impl LeafSigner {
             pem: cert.pem(),
             not_after: params.not_after.unix_timestamp(),
         })
+    }
+}
+
+impl LeafSigner {
+    /// A new key pair and its leaf for `id`, installed in a fresh [`CertSlot`]
+    /// with the issuer as chain. For components given a fixed identity (tests,
+    /// the local demo); workloads in a cluster use the issuer service instead.
+    pub fn new_identity(
+        &self,
+        id: &SpiffeId,
+        validity: Duration,
+    ) -> Result<std::sync::Arc<super::tls::CertSlot>, CaError> {
+        let key = KeyPair::generate()?;
+        let leaf = self.sign(&key, id, validity)?;
+        let mut chain = vec![leaf.der];
+        chain.extend(certs::parse_certs(
+            "issuer certificate",
+            self.issuer_pem().as_bytes(),
+        )?);
+        let slot = super::tls::CertSlot::new();
+        slot.install(chain, &key.serialize_pem())
+            .map_err(|e| CaError::Slot(e.to_string()))?;
+        Ok(slot)
     }
 }
 

@@ -8,5 +8,6 @@ pub mod client;
 pub mod protocol;
 mod spiffe;
 pub mod tls;
+pub mod workload;
 
 pub use spiffe::{SpiffeId, SpiffeIdError};

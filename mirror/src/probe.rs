@@ -1,0 +1,329 @@
+//! The gateway probe: every `probe.period`, an HTTPS GET of `probe.path` on each
+//! gateway address at `probe.port`, over mutual TLS that accepts only the Link's
+//! `gatewayIdentity`. After `failureThreshold` failures in a row an address
+//! counts as down and its mirror endpoints turn not ready; one success brings it
+//! back. Each address is judged on its own, so one dead replica of a gateway
+//! behind several addresses does not take the others' endpoints down.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
+use strait_mesh::link::ProbeSpec;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::metrics::{LinkLabels, MirrorMetrics};
+use crate::resolve::GatewayAddresses;
+use crate::status::{LinkHealth, StatusReporter};
+
+/// The controller's own identity, presented to gateways when probing them.
+#[derive(Clone, Debug)]
+pub struct ProbeIdentity {
+    pub bundle: TrustBundle,
+    pub cert: Arc<CertSlot>,
+}
+
+/// One gateway address as the mirrors should see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatewayEndpoint {
+    pub ip: IpAddr,
+    pub alive: bool,
+}
+
+/// Probe settings parsed from a Link.
+#[derive(Clone, Debug)]
+pub struct ProbeSettings {
+    pub path: String,
+    pub port: u16,
+    pub period: Duration,
+    pub timeout: Duration,
+    pub failure_threshold: u32,
+}
+
+impl ProbeSettings {
+    /// Parses durations; what cannot be parsed falls back to the defaults, with a warning.
+    pub fn from_spec(spec: &ProbeSpec) -> Self {
+        let parse = |what: &str, text: &str, default: Duration| {
+            humantime::parse_duration(text).unwrap_or_else(|e| {
+                tracing::warn!("probe {what} {text:?} is not a duration ({e}); using {default:?}");
+                default
+            })
+        };
+        Self {
+            path: if spec.path.starts_with('/') {
+                spec.path.clone()
+            } else {
+                format!("/{}", spec.path)
+            },
+            port: spec.port,
+            period: parse("period", &spec.period, Duration::from_secs(3))
+                .max(Duration::from_millis(100)),
+            timeout: parse("timeout", &spec.timeout, Duration::from_secs(2))
+                .max(Duration::from_millis(50)),
+            failure_threshold: spec.failure_threshold.max(1),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct AddressState {
+    failures: u32,
+    last_error: Option<String>,
+}
+
+/// Probes one address once: connect, mTLS handshake (the server must be the
+/// gateway identity), `GET path`, expecting 200. Returns the time it took.
+pub async fn probe_once(
+    connector: &tokio_rustls::TlsConnector,
+    ip: IpAddr,
+    settings: &ProbeSettings,
+) -> Result<Duration, String> {
+    let started = Instant::now();
+    let port = settings.port;
+    let attempt = async {
+        let tcp = TcpStream::connect((ip, port))
+            .await
+            .map_err(|e| format!("connecting to {ip}:{port}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let tls = connector
+            .connect(ServerName::IpAddress(ip.into()), tcp)
+            .await
+            .map_err(|e| format!("mTLS handshake with {ip}:{port}: {e}"))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| format!("HTTP with {ip}:{port}: {e}"))?;
+        let conn = tokio::spawn(conn);
+        let request = http::Request::get(settings.path.as_str())
+            .header(http::header::HOST, ip.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| format!("probe request: {e}"))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("GET {} on {ip}:{port}: {e}", settings.path))?;
+        conn.abort();
+        if response.status() != http::StatusCode::OK {
+            return Err(format!(
+                "GET {} on {ip}:{port} answered {}",
+                settings.path,
+                response.status()
+            ));
+        }
+        Ok(started.elapsed())
+    };
+    tokio::time::timeout(settings.timeout, attempt)
+        .await
+        .map_err(|_| format!("{ip}:{port} gave no answer within {:?}", settings.timeout))?
+}
+
+/// Everything one Link's probe needs.
+pub struct GatewayProbe {
+    pub link: String,
+    pub settings: ProbeSettings,
+    pub gateway_identity: String,
+    pub identity: Option<ProbeIdentity>,
+    pub metrics: MirrorMetrics,
+    pub status: StatusReporter,
+}
+
+impl GatewayProbe {
+    /// Publishes the gateway's endpoints (address and liveness) on `tx` until
+    /// every receiver is gone; updates the GatewayAlive condition and metrics.
+    pub async fn run(
+        self,
+        mut addresses: watch::Receiver<Option<GatewayAddresses>>,
+        tx: watch::Sender<Option<Vec<GatewayEndpoint>>>,
+    ) {
+        let labels = LinkLabels {
+            link: self.link.clone(),
+        };
+        if addresses.wait_for(Option::is_some).await.is_err() {
+            return;
+        }
+        let connector = match self.connector() {
+            Ok(c) => c,
+            Err(health) => {
+                // No probing possible: every address counts as alive, and the
+                // condition says why nobody checked.
+                self.status.set_health(health).await;
+                loop {
+                    let ips = addresses
+                        .borrow_and_update()
+                        .clone()
+                        .unwrap_or_default()
+                        .ips;
+                    publish(&tx, ips.iter().map(|&ip| (ip, true)));
+                    tokio::select! {
+                        r = addresses.changed() => if r.is_err() { return },
+                        _ = tx.closed() => return,
+                    }
+                }
+            }
+        };
+        let mut states: BTreeMap<IpAddr, AddressState> = BTreeMap::new();
+        let mut ticker = tokio::time::interval(self.settings.period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                r = addresses.changed() => if r.is_err() { return },
+                _ = tx.closed() => return,
+            }
+            let current = addresses.borrow_and_update().clone().unwrap_or_default();
+            // New addresses start alive (one failure does not condemn them);
+            // vanished ones are forgotten.
+            states.retain(|ip, _| current.ips.contains(ip));
+            for ip in &current.ips {
+                states.entry(*ip).or_default();
+            }
+            // Mirrors may use new addresses before their first probe ends.
+            publish(
+                &tx,
+                states
+                    .iter()
+                    .map(|(ip, s)| (*ip, s.failures < self.settings.failure_threshold)),
+            );
+            let results = futures::future::join_all(current.ips.iter().map(|&ip| {
+                let (connector, settings) = (&connector, &self.settings);
+                async move { (ip, probe_once(connector, ip, settings).await) }
+            }))
+            .await;
+            for (ip, result) in results {
+                let state = states.entry(ip).or_default();
+                match result {
+                    Ok(latency) => {
+                        self.metrics
+                            .probe_latency
+                            .get_or_create(&labels)
+                            .observe(latency.as_secs_f64());
+                        if state.failures >= self.settings.failure_threshold {
+                            tracing::info!(link = %self.link, gateway = %ip, ?latency, "gateway answers the probe again");
+                        }
+                        state.failures = 0;
+                        state.last_error = None;
+                    }
+                    Err(e) => {
+                        self.metrics.probe_failures.get_or_create(&labels).inc();
+                        state.failures = state.failures.saturating_add(1);
+                        if state.failures == self.settings.failure_threshold {
+                            tracing::warn!(link = %self.link, gateway = %ip, "gateway down after {} failed probes: {e}", state.failures);
+                        } else {
+                            tracing::debug!(link = %self.link, gateway = %ip, "probe failed: {e}");
+                        }
+                        state.last_error = Some(e);
+                    }
+                }
+            }
+            let threshold = self.settings.failure_threshold;
+            let alive = |s: &AddressState| s.failures < threshold;
+            publish(&tx, states.iter().map(|(ip, s)| (*ip, alive(s))));
+            let alive_count = states.values().filter(|s| alive(s)).count();
+            self.metrics
+                .gateway_alive
+                .get_or_create(&labels)
+                .set(i64::from(alive_count > 0));
+            self.status
+                .set_health(gateway_health(&states, threshold, &current))
+                .await;
+        }
+    }
+
+    fn connector(&self) -> Result<tokio_rustls::TlsConnector, LinkHealth> {
+        let Some(identity) = &self.identity else {
+            return Err(LinkHealth::gateway_unknown(
+                "ProbeDisabled",
+                "the controller has no identity (start it with the issuer flags) so the gateway is not probed and counts as alive",
+            ));
+        };
+        let expected = self.gateway_identity.parse::<SpiffeId>().map_err(|e| {
+            LinkHealth::gateway_down(
+                "InvalidGatewayIdentity",
+                &format!(
+                    "spec.gatewayIdentity {:?} is not a SPIFFE ID ({e}); the gateway cannot be verified",
+                    self.gateway_identity
+                ),
+            )
+        })?;
+        let config = tls::client_config(
+            &identity.bundle,
+            identity.cert.clone(),
+            vec![expected],
+            &[b"http/1.1"],
+        )
+        .map_err(|e| LinkHealth::gateway_down("ProbeConfig", &e.to_string()))?;
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    }
+}
+
+fn publish(
+    tx: &watch::Sender<Option<Vec<GatewayEndpoint>>>,
+    endpoints: impl Iterator<Item = (IpAddr, bool)>,
+) {
+    let new: Vec<GatewayEndpoint> = endpoints
+        .map(|(ip, alive)| GatewayEndpoint { ip, alive })
+        .collect();
+    tx.send_if_modified(|old| {
+        let changed = old.as_ref() != Some(&new);
+        *old = Some(new);
+        changed
+    });
+}
+
+/// The GatewayAlive condition for the current probe state. Its message changes
+/// only when liveness does, so a steady state writes no status.
+fn gateway_health(
+    states: &BTreeMap<IpAddr, AddressState>,
+    threshold: u32,
+    addresses: &GatewayAddresses,
+) -> LinkHealth {
+    if states.is_empty() {
+        let why = if addresses.errors.is_empty() {
+            "the Link has no gateway address: set spec.gatewayAddresses".to_string()
+        } else {
+            format!(
+                "no gateway address could be resolved: {}",
+                addresses.errors.join("; ")
+            )
+        };
+        return LinkHealth::gateway_down("NoGatewayAddress", &why);
+    }
+    let down: Vec<String> = states
+        .iter()
+        .filter(|(_, s)| s.failures >= threshold)
+        .map(|(ip, s)| format!("{ip}: {}", s.last_error.as_deref().unwrap_or("failing")))
+        .collect();
+    let also = if addresses.errors.is_empty() {
+        String::new()
+    } else {
+        format!("; unusable: {}", addresses.errors.join("; "))
+    };
+    if down.is_empty() {
+        LinkHealth::gateway_alive(&format!(
+            "{} gateway address(es) answer the probe{also}",
+            states.len()
+        ))
+    } else if down.len() < states.len() {
+        LinkHealth::gateway_alive(&format!(
+            "{} of {} gateway addresses answer the probe; down: {}{also}",
+            states.len() - down.len(),
+            states.len(),
+            down.join("; ")
+        ))
+    } else {
+        LinkHealth::gateway_down(
+            "GatewayDown",
+            &format!(
+                "the gateway fails its probe ({threshold} in a row); its mirror endpoints are not ready: {}{also}",
+                down.join("; ")
+            ),
+        )
+    }
+}
