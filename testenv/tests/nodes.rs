@@ -522,3 +522,65 @@ fn a_sigkilled_owner_leaves_no_namespace_interface_or_process() {
     holder.wait().unwrap();
     assert_all_gone(&fp);
 }
+
+/// `strait-testenv up --nodes 2`: people get nodes too, and a SIGKILLed `up`
+/// takes its LAN, nodes and control plane with it.
+#[test]
+fn up_with_nodes_serves_kubectl_from_a_node_and_leaves_nothing_when_killed() {
+    if !root_or_skip("up_with_nodes_serves_kubectl_from_a_node_and_leaves_nothing_when_killed") {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_strait-testenv"))
+        .args(["up", "--clusters", "upnodes", "--nodes", "2", "--state-dir"])
+        .arg(state.path())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn strait-testenv up");
+    let mut stdout = BufReader::new(up.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("Stop with Ctrl-C") {
+        let n = stdout.read_line(&mut seen).unwrap();
+        assert!(n > 0, "strait-testenv up ended early; it printed:\n{seen}");
+    }
+    let host_if = seen
+        .split_whitespace()
+        .find(|w| w.starts_with("stlan"))
+        .unwrap_or_else(|| panic!("no LAN interface printed:\n{seen}"))
+        .to_string();
+    let anchors: Vec<u32> = seen
+        .split("/proc/")
+        .skip(1)
+        .map(|rest| rest.split('/').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(anchors.len(), 2, "two nodes printed:\n{seen}");
+    let node_ns = format!("--net=/proc/{}/ns/net", anchors[1]);
+    let out = Command::new("nsenter")
+        .args([node_ns.as_str(), "--", "kubectl", "--kubeconfig"])
+        .arg(state.path().join("kubeconfig"))
+        .args(["get", "nodes", "-o", "name"])
+        .output()
+        .unwrap();
+    let nodes = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && nodes.contains("node/upnodes-node-2"),
+        "kubectl from node 2: {nodes} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let netns_ids = anchors
+        .iter()
+        .map(|p| {
+            std::fs::read_link(format!("/proc/{p}/ns/net"))
+                .unwrap()
+                .display()
+                .to_string()
+        })
+        .collect();
+    up.kill().expect("SIGKILL up");
+    up.wait().unwrap();
+    assert_all_gone(&Footprint {
+        host_interfaces: vec![host_if],
+        netns_ids,
+        pids: anchors,
+    });
+}
