@@ -388,6 +388,9 @@ impl ClusterNetwork {
                 per: "cluster",
             });
         }
+        // Taken even if set-up fails: a half-made node's interfaces may linger
+        // while the kernel tears its namespace down.
+        registry.next += 1;
         let node = NodeInner {
             name: name.into(),
             index,
@@ -429,7 +432,6 @@ impl ClusterNetwork {
             .args(["dev", &lan.host_if]);
         run(cmd, None)?;
         let node = Arc::new(node);
-        registry.next += 1;
         registry.live.push(Arc::downgrade(&node));
         Ok(NetNode { inner: node })
     }
@@ -556,6 +558,7 @@ impl NetNode {
         }
         let ip = Ipv4Addr::new(10, node.lan.slot, node.index, 1 + index);
         let gateway = node.pod_gateway();
+        *next += 1; // taken even on failure, as for nodes
         let netns = Netns::new(&format!("pod {name} on {}", node.name))?;
         node.netns.ip(&[
             format!(
@@ -572,7 +575,6 @@ impl NetNode {
             format!("route add {gateway}/32 dev eth0 scope link"),
             format!("route add default via {gateway} dev eth0"),
         ])?;
-        *next += 1;
         Ok(NetPod {
             name: name.into(),
             ip,
