@@ -140,8 +140,8 @@ async fn nodes_reach_their_api_server_and_pods_talk_across_nodes() {
     let _b_proc = start_backend_in_pod(&b, &logs);
 
     // Pod to pod across nodes, both ways, over real TCP.
-    assert_eq!(whoami(|| b_cmd(&a), b.ip()), "b");
-    assert_eq!(whoami(|| b_cmd(&b), a.ip()), "a");
+    assert_eq!(whoami(|| in_pod(&a), b.ip()), "b");
+    assert_eq!(whoami(|| in_pod(&b), a.ip()), "a");
     // A process on node 3 (where a node proxy will run) and the pods reach each other.
     let node3 = topology.node(2).unwrap();
     let _proxy = node3
@@ -153,8 +153,8 @@ async fn nodes_reach_their_api_server_and_pods_talk_across_nodes() {
             &logs.join("node-3-echo.log"),
         )
         .expect("start a process in node 3");
-    assert_eq!(whoami(|| b_cmd(&a), node3.ip()), "node-3");
-    assert_eq!(whoami(|| node_cmd(node3), b.ip()), "b");
+    assert_eq!(whoami(|| in_pod(&a), node3.ip()), "node-3");
+    assert_eq!(whoami(|| in_node(node3), b.ip()), "b");
     // The test process (on the host) reaches pods too.
     assert_eq!(whoami(|| Command::new("timeout"), a.ip()), "a");
     // Pods reach the API server as well.
@@ -194,12 +194,12 @@ async fn nodes_reach_their_api_server_and_pods_talk_across_nodes() {
     );
 }
 
-/// `timeout` run inside the pod's namespace (the probe adds its arguments).
-fn b_cmd(pod: &NetPod) -> Command {
+/// `timeout` inside the pod's namespace; the probe adds the duration and the script.
+fn in_pod(pod: &NetPod) -> Command {
     pod.command("timeout")
 }
 
-fn node_cmd(node: &NetNode) -> Command {
+fn in_node(node: &NetNode) -> Command {
     node.command("timeout")
 }
 
@@ -236,9 +236,9 @@ fn two_clusters() -> TwoClusters {
             .unwrap(),
     ];
     // Positive controls: each address is live and serving, as seen from its own cluster.
-    assert_eq!(whoami(|| b_cmd(&west_pod), west_node.ip()), "west-node-1");
-    assert_eq!(whoami(|| node_cmd(&west_node), west_pod.ip()), "west-pod");
-    assert_eq!(whoami(|| b_cmd(&east_pod), east_pod.ip()), "east-pod");
+    assert_eq!(whoami(|| in_pod(&west_pod), west_node.ip()), "west-node-1");
+    assert_eq!(whoami(|| in_node(&west_node), west_pod.ip()), "west-pod");
+    assert_eq!(whoami(|| in_pod(&east_pod), east_pod.ip()), "east-pod");
     TwoClusters {
         east_pod,
         west_pod,
@@ -258,19 +258,19 @@ fn one_clusters_pods_cannot_reach_another_clusters_nodes_or_pods() {
     let t = two_clusters();
     assert_ne!(t.east.cidr(), t.west.cidr());
     for target in [t.west_pod.ip(), t.west_node.ip(), t.west.host_ip()] {
-        let result = whoami_once(b_cmd(&t.east_pod), target);
+        let result = whoami_once(in_pod(&t.east_pod), target);
         assert!(
             result.is_err(),
             "east's pod reached west's {target}: {result:?}"
         );
-        let result = whoami_once(node_cmd(t.east_pod.node()), target);
+        let result = whoami_once(in_node(t.east_pod.node()), target);
         assert!(
             result.is_err(),
             "east's node reached west's {target}: {result:?}"
         );
     }
     // And the other way round.
-    let result = whoami_once(b_cmd(&t.west_pod), t.east_pod.ip());
+    let result = whoami_once(in_pod(&t.west_pod), t.east_pod.ip());
     assert!(result.is_err(), "west reached east's pod: {result:?}");
 }
 
@@ -304,7 +304,7 @@ fn the_isolation_check_sees_a_route_between_clusters() {
             .unwrap();
         assert!(out.status.success(), "{out:?}");
     }
-    assert_eq!(whoami(|| b_cmd(&t.east_pod), t.west_pod.ip()), "west-pod");
+    assert_eq!(whoami(|| in_pod(&t.east_pod), t.west_pod.ip()), "west-pod");
 }
 
 /// Everything observable of a topology, to check later that it is all gone.
