@@ -10,7 +10,7 @@ die() { printf '\033[31m[strait] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 # Debian packages the tests and the demo use. testenv installs what it needs
 # itself, so a fresh machine (or CI's clean clone) needs no manual step.
-APT_PACKAGES=(procps iproute2)
+APT_PACKAGES=(procps iproute2 util-linux)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"
@@ -52,4 +52,9 @@ check_no_orphans() {
     die "control-plane processes were left running after the tests"
   fi
   say "no control-plane process left behind"
+  # Node topologies: each cluster LAN shows in the host only as stlan<N>, gone with its namespace.
+  local links
+  links="$(ip -o link show 2>/dev/null | grep -o 'stlan[0-9]*' || true)"
+  [[ -z "$links" ]] || die "cluster LAN interfaces were left after the tests: $(echo "$links" | paste -sd' ')"
+  say "no cluster network left behind"
 }

@@ -5,7 +5,8 @@
 //! on free ports, with RBAC on and a service-account issuer, so TokenRequest and
 //! TokenReview behave as in production. Pods need no kubelet: [`workloads`]
 //! marks them Running/Ready through the status subresource and the real
-//! EndpointSlice controller publishes them.
+//! EndpointSlice controller publishes them. With [`ClusterTopology`] nodes and
+//! pods are also real network namespaces ([`net`]) running real processes.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -19,9 +20,13 @@ pub mod cluster;
 pub mod controlplane;
 pub mod dns;
 pub mod kubeconfig;
+pub mod net;
 pub mod pki;
 pub mod process;
+pub mod topology;
 pub mod wait;
 pub mod workloads;
 
 pub use cluster::{Cluster, ClusterConfig, ClusterError};
+pub use net::{ClusterNetwork, NetNode, NetPod};
+pub use topology::ClusterTopology;

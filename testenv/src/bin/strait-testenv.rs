@@ -2,7 +2,8 @@
 //!
 //! `strait-testenv up --clusters east,west` starts one control plane per name,
 //! writes one kubeconfig with a context per cluster and stays up until Ctrl-C or
-//! `strait-testenv down`.
+//! `strait-testenv down`. With `--nodes N` (root) each cluster also gets N
+//! nodes as network namespaces on its own LAN.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -10,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
-use strait_testenv::{Cluster, ClusterConfig, controlplane, kubeconfig, process};
+use strait_testenv::{
+    Cluster, ClusterConfig, ClusterTopology, controlplane, kubeconfig, net, process,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -36,6 +39,10 @@ enum Command {
         /// Where to write the kubeconfig (default: STATE_DIR/kubeconfig).
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
+        /// Nodes per cluster, each a network namespace on the cluster's LAN
+        /// (needs root). 0: control planes only, API servers on 127.0.0.1.
+        #[arg(long, default_value_t = 0)]
+        nodes: usize,
     },
     /// Stop the clusters a running `up` started.
     Down,
@@ -64,9 +71,10 @@ fn main() -> anyhow::Result<()> {
         Command::Up {
             clusters,
             kubeconfig,
+            nodes,
         } => {
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(up(&cli.state_dir, clusters, kubeconfig))
+            runtime.block_on(up(&cli.state_dir, clusters, kubeconfig, nodes))
         }
     }
 }
@@ -85,7 +93,11 @@ async fn up(
     state_dir: &std::path::Path,
     names: Vec<String>,
     kubeconfig_path: Option<PathBuf>,
+    nodes: usize,
 ) -> anyhow::Result<()> {
+    if nodes > 0 && !net::is_root() {
+        bail!("{}", net::NetError::NotRoot);
+    }
     if names.is_empty() || names.iter().any(|n| n.is_empty()) {
         bail!("--clusters needs one or more names, e.g. --clusters east,west");
     }
@@ -113,8 +125,8 @@ async fn up(
         config
     });
     // Ctrl-C during start-up drops the half-started clusters, which stops them.
-    let clusters: Vec<Cluster> = tokio::select! {
-        started = futures::future::try_join_all(configs.map(Cluster::start_with)) => started?,
+    let clusters: Vec<Running> = tokio::select! {
+        started = futures::future::try_join_all(configs.map(|c| Running::start(c, nodes))) => started?,
         stop = wait_for_stop_signal() => {
             stop?;
             bail!("interrupted during start-up; nothing is left running");
@@ -122,7 +134,7 @@ async fn up(
     };
     let elapsed = started.elapsed();
 
-    let merged = kubeconfig::merge(clusters.iter().map(|c| c.kubeconfig().clone()));
+    let merged = kubeconfig::merge(clusters.iter().map(|c| c.cluster().kubeconfig().clone()));
     write_private(&kubeconfig_path, &kubeconfig::to_yaml(&merged)?)?;
     std::fs::write(pid_file(state_dir), std::process::id().to_string())?;
 
@@ -132,13 +144,32 @@ async fn up(
         elapsed.as_secs_f64(),
         names.join(", ")
     );
-    for c in &clusters {
+    for running in &clusters {
+        let c = running.cluster();
         println!(
             "  {:<8} {}   logs: {}",
             c.name(),
             c.server_url(),
             c.dir().join("logs").display()
         );
+        if let Running::WithNodes(topology) = running {
+            let lan = topology.network();
+            println!(
+                "    lan  {:<16} host {} on {}",
+                lan.cidr(),
+                lan.host_ip(),
+                lan.host_interface()
+            );
+            for node in topology.nodes() {
+                println!(
+                    "    node {:<16} {:<13} pods {:<15} shell: nsenter --net=/proc/{}/ns/net bash",
+                    node.name(),
+                    node.ip(),
+                    node.pod_cidr(),
+                    node.anchor_pid()
+                );
+            }
+        }
     }
     println!();
     println!("  export KUBECONFIG={}", kubeconfig_path.display());
@@ -156,6 +187,29 @@ async fn up(
     let _ = std::fs::remove_file(&kubeconfig_path);
     eprintln!("[testenv] down");
     Ok(())
+}
+
+/// A cluster `up` runs: a control plane alone, or one with node namespaces.
+enum Running {
+    Plain(Cluster),
+    WithNodes(ClusterTopology),
+}
+
+impl Running {
+    async fn start(config: ClusterConfig, nodes: usize) -> anyhow::Result<Self> {
+        Ok(if nodes == 0 {
+            Running::Plain(Cluster::start_with(config).await?)
+        } else {
+            Running::WithNodes(ClusterTopology::start_with(config, nodes).await?)
+        })
+    }
+
+    fn cluster(&self) -> &Cluster {
+        match self {
+            Running::Plain(c) => c,
+            Running::WithNodes(t) => t.cluster(),
+        }
+    }
 }
 
 async fn wait_for_stop_signal() -> anyhow::Result<()> {

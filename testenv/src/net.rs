@@ -1,0 +1,651 @@
+//! Nodes and pods as Linux network namespaces, one LAN per cluster.
+//!
+//! ```text
+//!  host netns                 cluster LAN netns             node netns            pod netns
+//!  stlan<S> 10.S.0.1/24 ◄veth► host ─┐                       ┌─ eth0 10.S.0.(10+n)
+//!  (API server binds here)           br0 ── n<n> ◄──veth──► ─┘  lo   10.S.n.1 (pod gw)
+//!  routes 10.S.n.0/24 via node                                   p<m> ◄──veth──► eth0 10.S.n.(1+m)/32
+//! ```
+//!
+//! - Every namespace is held by an *anchor* (`unshare --net sleep infinity`)
+//!   started through [`process::ChildProcess`], so it dies with its owner: on
+//!   `Drop`, on a panic, and (through `PR_SET_PDEATHSIG`) when the test process
+//!   is SIGKILLed. The kernel then deletes the namespace and every veth and
+//!   bridge in it. Nothing is named in /run/netns, so nothing can be left there.
+//! - The only interface in the host namespace is `stlan<S>`, one per cluster; its
+//!   name is the host-wide lock on the slot `S` (so parallel test processes never
+//!   share addresses) and it vanishes with the LAN namespace.
+//! - Isolation holds by construction: each cluster's bridge lives in its own
+//!   namespace, nodes and pods have routes only to their own cluster, and the host
+//!   never forwards what arrives on `stlan<S>` (`conf.stlan<S>.forwarding=0`).
+//!   A later WAN/gateway link plugs into the LAN namespace ([`ClusterNetwork::lan_command`]).
+//!
+//! Needs root (CAP_NET_ADMIN) and `ip` (iproute2), `unshare`/`nsenter`
+//! (util-linux), `sysctl` (procps).
+
+use std::ffi::OsStr;
+use std::io::{self, Write};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use crate::process::ChildProcess;
+
+/// Second octet of the first cluster slot; slots take 10.200.0.0/16 … 10.249.0.0/16,
+/// clear of the service ranges testenv hands out (10.96.0.0/16 and up).
+const FIRST_SLOT: u8 = 200;
+const SLOTS: u8 = 50;
+/// Nodes per cluster: node n owns the pod range 10.S.n.0/24.
+const MAX_NODES: u8 = 200;
+/// Pods per node: 10.S.n.2 … 10.S.n.251.
+const MAX_PODS: u8 = 250;
+/// Prefix of the host-side interface of each cluster LAN (`stlan200`, …).
+pub const HOST_IF_PREFIX: &str = "stlan";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error(
+        "testenv nodes need root (CAP_NET_ADMIN) to make network namespaces, veths and bridges: \
+         run these tests as root, as CI does (e.g. `sudo -E cargo test -p strait-testenv --test nodes`), \
+         or set STRAIT_SKIP_ROOT_TESTS=1 to skip them (they are then reported as SKIPPED)"
+    )]
+    NotRoot,
+    #[error(
+        "cannot run `{command}`: {source}; install {package} (scripts/lib.sh lists it in APT_PACKAGES)"
+    )]
+    Missing {
+        command: String,
+        package: &'static str,
+        source: io::Error,
+    },
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Command {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("network namespace for {what} did not come up: {message}")]
+    Anchor { what: String, message: String },
+    #[error(
+        "all {SLOTS} cluster network slots are taken (interfaces {HOST_IF_PREFIX}{FIRST_SLOT}…): \
+         too many clusters with nodes at once on this host; see `ip -o link | grep {HOST_IF_PREFIX}`"
+    )]
+    NoSlot,
+    #[error("{what}: at most {max} per {per}")]
+    Full {
+        what: &'static str,
+        max: u8,
+        per: &'static str,
+    },
+}
+
+/// Whether this process runs with effective uid 0.
+pub fn is_root() -> bool {
+    // "Uid:\treal\teffective\tsaved\tfs"
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
+}
+
+/// For tests that need root: true if running as root. Otherwise panics with how
+/// to run them, unless `STRAIT_SKIP_ROOT_TESTS=1`, which skips loudly (false).
+pub fn root_or_skip(test: &str) -> bool {
+    if is_root() {
+        return true;
+    }
+    if std::env::var("STRAIT_SKIP_ROOT_TESTS").as_deref() == Ok("1") {
+        // Straight to the stderr stream: the test harness swallows `eprintln!`
+        // of passing tests, and a skip must never be silent.
+        let _ = writeln!(
+            io::stderr(),
+            "\n******** SKIPPED (needs root): {test} (STRAIT_SKIP_ROOT_TESTS=1) ********\n"
+        );
+        return false;
+    }
+    panic!("{test}: {}", NetError::NotRoot);
+}
+
+fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn package_of(program: &OsStr) -> &'static str {
+    match program.to_str() {
+        Some("ip") => "iproute2",
+        Some("sysctl") => "procps",
+        _ => "util-linux",
+    }
+}
+
+/// Runs `cmd` to completion, feeding it `stdin`; an error carries its stderr.
+fn run(mut cmd: Command, stdin: Option<&str>) -> Result<String, NetError> {
+    let command = describe(&cmd);
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|source| NetError::Missing {
+        package: package_of(cmd.get_program()),
+        command: command.clone(),
+        source,
+    })?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A failed write shows up as the command's own error below.
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|source| NetError::Missing {
+            package: package_of(cmd.get_program()),
+            command: command.clone(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(NetError::Command {
+            command: match stdin {
+                Some(input) => format!("{command} <<< {input:?}"),
+                None => command,
+            },
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ns_id(path: &Path) -> Option<PathBuf> {
+    std::fs::read_link(path).ok()
+}
+
+/// A network namespace that lives exactly as long as its anchor process.
+#[derive(Debug)]
+struct Netns {
+    anchor: ChildProcess,
+    pid: u32,
+    path: PathBuf,
+}
+
+impl Netns {
+    fn new(what: &str) -> Result<Self, NetError> {
+        if !is_root() {
+            return Err(NetError::NotRoot);
+        }
+        let args = ["--net", "sleep", "infinity"].map(String::from);
+        let mut anchor =
+            ChildProcess::spawn(what, Path::new("unshare"), &args, Path::new("/dev/null"))
+                .map_err(|source| NetError::Missing {
+                    command: "unshare --net sleep infinity".into(),
+                    package: "util-linux",
+                    source,
+                })?;
+        let pid = anchor.pid().expect("a just-spawned child has a pid");
+        let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        // Until unshare(2) has run, the anchor is still in our namespace:
+        // configuring it then would change the host's network.
+        let host = ns_id(Path::new("/proc/self/ns/net"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = anchor.try_exit_status() {
+                return Err(NetError::Anchor {
+                    what: what.into(),
+                    message: format!("`unshare --net sleep infinity` exited ({status})"),
+                });
+            }
+            match ns_id(&path) {
+                Some(id) if Some(&id) != host.as_ref() => break,
+                _ if Instant::now() >= deadline => {
+                    return Err(NetError::Anchor {
+                        what: what.into(),
+                        message: "unshare did not enter a new namespace within 10s".into(),
+                    });
+                }
+                _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        Ok(Self { anchor, pid, path })
+    }
+
+    /// `nsenter --net=<this> -- program`: a command that runs inside the namespace.
+    fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(self.nsenter_arg()).arg("--").arg(program);
+        cmd
+    }
+
+    fn nsenter_arg(&self) -> String {
+        format!("--net={}", self.path.display())
+    }
+
+    /// Runs `ip -batch -` with these lines inside the namespace.
+    fn ip(&self, lines: &[String]) -> Result<(), NetError> {
+        let mut cmd = self.command("ip");
+        cmd.args(["-batch", "-"]);
+        run(cmd, Some(&(lines.join("\n") + "\n"))).map(drop)
+    }
+
+    fn sysctl(&self, setting: &str) -> Result<(), NetError> {
+        let mut cmd = self.command("sysctl");
+        cmd.args(["-qw", setting]);
+        run(cmd, None).map(drop)
+    }
+
+    /// Spawns a long-running process inside the namespace. `nsenter` execs the
+    /// program in place, so the child keeps its parent-death signal and pid.
+    fn spawn(
+        &self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &OsStr)],
+        log: &Path,
+    ) -> io::Result<ChildProcess> {
+        let mut full = vec![self.nsenter_arg(), "--".into()];
+        full.push(program.to_string_lossy().into_owned());
+        full.extend(args.iter().cloned());
+        ChildProcess::spawn_with_env(name, Path::new("nsenter"), &full, env, log)
+    }
+
+    /// `net:[inode]` of the namespace, to check later that it is gone.
+    fn id(&self) -> String {
+        ns_id(&self.path)
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // The kernel frees the namespace (and its interfaces) once the last
+        // process in it is gone; processes spawned into it are owned by callers.
+        self.anchor.stop(Duration::ZERO);
+    }
+}
+
+/// One cluster's LAN: a bridge in its own namespace, with the host attached
+/// at `10.S.0.1` so nodes reach the cluster's API server there.
+#[derive(Debug)]
+pub struct ClusterNetwork {
+    lan: Arc<Lan>,
+}
+
+#[derive(Debug)]
+struct Lan {
+    cluster: String,
+    slot: u8,
+    host_if: String,
+    nodes: Mutex<NodeRegistry>,
+    netns: Netns,
+}
+
+#[derive(Debug, Default)]
+struct NodeRegistry {
+    next: u8,
+    live: Vec<Weak<NodeInner>>,
+}
+
+impl ClusterNetwork {
+    /// Makes the LAN of cluster `cluster` and attaches the host to it.
+    pub fn create(cluster: &str) -> Result<Self, NetError> {
+        let netns = Netns::new(&format!("cluster {cluster} LAN"))?;
+        let (slot, host_if) = claim_slot(&netns)?;
+        let lan = Lan {
+            cluster: cluster.into(),
+            slot,
+            host_if,
+            nodes: Mutex::new(NodeRegistry {
+                next: 1,
+                live: Vec::new(),
+            }),
+            netns,
+        };
+        lan.netns.ip(&[
+            "link set lo up".into(),
+            "link add br0 type bridge".into(),
+            "link set br0 up".into(),
+            "link set host master br0".into(),
+            "link set host up".into(),
+        ])?;
+        let host_ip = lan.host_ip();
+        // The host must not route between cluster LANs (nor anywhere else) for them.
+        let conf = format!("/proc/sys/net/ipv4/conf/{}/forwarding", lan.host_if);
+        std::fs::write(&conf, "0").map_err(|e| NetError::Command {
+            command: format!("write 0 to {conf}"),
+            status: "failed".into(),
+            stderr: e.to_string(),
+        })?;
+        // Best effort: keep IPv6 autoconfiguration chatter off the LAN.
+        let _ = std::fs::write(
+            format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", lan.host_if),
+            "1",
+        );
+        let mut cmd = Command::new("ip");
+        cmd.args(["-batch", "-"]);
+        run(
+            cmd,
+            Some(&format!(
+                "addr add {host_ip}/24 dev {0}\nlink set {0} up\n",
+                lan.host_if
+            )),
+        )?;
+        tracing::debug!(cluster, %host_ip, host_if = %lan.host_if, "cluster network up");
+        Ok(Self { lan: Arc::new(lan) })
+    }
+
+    pub fn cluster(&self) -> &str {
+        &self.lan.cluster
+    }
+
+    /// The host's address on this LAN: bind the cluster's API server here.
+    pub fn host_ip(&self) -> Ipv4Addr {
+        self.lan.host_ip()
+    }
+
+    /// `10.S.0.0/16`: every node and pod address of this cluster.
+    pub fn cidr(&self) -> String {
+        format!("10.{}.0.0/16", self.lan.slot)
+    }
+
+    /// Name of the host-side interface (`stlan<S>`), e.g. for leak checks.
+    pub fn host_interface(&self) -> &str {
+        &self.lan.host_if
+    }
+
+    /// A command run inside the LAN namespace, where the bridge `br0` lives.
+    /// This is where a WAN/gateway link between clusters is to be attached.
+    pub fn lan_command(&self, program: impl AsRef<OsStr>) -> Command {
+        self.lan.netns.command(program)
+    }
+
+    /// `net:[inode]` of the LAN namespace.
+    pub fn netns_id(&self) -> String {
+        self.lan.netns.id()
+    }
+
+    /// Adds a node: a namespace on the bridge with the next node address and
+    /// pod range, routed to and from every other node of this cluster.
+    pub fn add_node(&self, name: &str) -> Result<NetNode, NetError> {
+        let lan = &self.lan;
+        let mut registry = lan.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let index = registry.next;
+        if index > MAX_NODES {
+            return Err(NetError::Full {
+                what: "nodes",
+                max: MAX_NODES,
+                per: "cluster",
+            });
+        }
+        // Taken even if set-up fails: a half-made node's interfaces may linger
+        // while the kernel tears its namespace down.
+        registry.next += 1;
+        let node = NodeInner {
+            name: name.into(),
+            index,
+            ip: Ipv4Addr::new(10, lan.slot, 0, 10 + index),
+            lan: lan.clone(),
+            next_pod: Mutex::new(1),
+            netns: Netns::new(&format!("node {name} of {}", lan.cluster))?,
+        };
+        let ip = node.ip;
+        let gateway = node.pod_gateway();
+        lan.netns.ip(&[
+            format!(
+                "link add n{index} type veth peer name eth0 netns {}",
+                node.netns.pid
+            ),
+            format!("link set n{index} master br0"),
+            format!("link set n{index} up"),
+        ])?;
+        let mut lines = vec![
+            "link set lo up".into(),
+            format!("addr add {ip}/24 dev eth0"),
+            "link set eth0 up".into(),
+            format!("addr add {gateway}/32 dev lo"),
+        ];
+        registry.live.retain(|w| w.strong_count() > 0);
+        let others: Vec<Arc<NodeInner>> = registry.live.iter().filter_map(Weak::upgrade).collect();
+        for other in &others {
+            lines.push(format!("route add {} via {}", other.pod_cidr(), other.ip));
+        }
+        node.netns.ip(&lines)?;
+        node.netns.sysctl("net.ipv4.ip_forward=1")?;
+        for other in &others {
+            other
+                .netns
+                .ip(&[format!("route add {} via {ip}", node.pod_cidr())])?;
+        }
+        let mut cmd = Command::new("ip");
+        cmd.args(["route", "add", &node.pod_cidr(), "via", &ip.to_string()])
+            .args(["dev", &lan.host_if]);
+        run(cmd, None)?;
+        let node = Arc::new(node);
+        registry.live.push(Arc::downgrade(&node));
+        Ok(NetNode { inner: node })
+    }
+}
+
+impl Lan {
+    fn host_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, self.slot, 0, 1)
+    }
+}
+
+/// Claims the first free slot host-wide: creating `stlan<S>` fails with
+/// "File exists" if another process (or cluster) holds S.
+fn claim_slot(lan: &Netns) -> Result<(u8, String), NetError> {
+    let mut list_routes = Command::new("ip");
+    list_routes.args(["-4", "-o", "route", "show"]);
+    let routes = run(list_routes, None)?;
+    for slot in FIRST_SLOT..FIRST_SLOT + SLOTS {
+        let host_if = format!("{HOST_IF_PREFIX}{slot}");
+        // Skip ranges the host itself uses (a real 10.S network); ours have no route yet.
+        if routes
+            .lines()
+            .any(|l| l.starts_with(&format!("10.{slot}.")))
+        {
+            continue;
+        }
+        let mut cmd = Command::new("ip");
+        cmd.args([
+            "link", "add", &host_if, "type", "veth", "peer", "name", "host",
+        ])
+        .args(["netns", &lan.pid.to_string()]);
+        match run(cmd, None) {
+            Ok(_) => return Ok((slot, host_if)),
+            Err(NetError::Command { stderr, .. }) if stderr.contains("File exists") => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(NetError::NoSlot)
+}
+
+/// A node: its own network namespace with one address on the cluster LAN.
+/// Dropping the last handle (the node and its pods) deletes the namespace.
+#[derive(Debug, Clone)]
+pub struct NetNode {
+    inner: Arc<NodeInner>,
+}
+
+#[derive(Debug)]
+struct NodeInner {
+    name: String,
+    index: u8,
+    ip: Ipv4Addr,
+    next_pod: Mutex<u8>,
+    netns: Netns,
+    // After `netns`: the LAN outlives its nodes.
+    lan: Arc<Lan>,
+}
+
+impl NodeInner {
+    fn pod_cidr(&self) -> String {
+        format!("10.{}.{}.0/24", self.lan.slot, self.index)
+    }
+
+    fn pod_gateway(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, self.lan.slot, self.index, 1)
+    }
+}
+
+impl NetNode {
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The node's address on the cluster LAN (its InternalIP).
+    pub fn ip(&self) -> Ipv4Addr {
+        self.inner.ip
+    }
+
+    /// The node's pod range, `10.S.n.0/24`.
+    pub fn pod_cidr(&self) -> String {
+        self.inner.pod_cidr()
+    }
+
+    /// `net:[inode]` of the node's namespace.
+    pub fn netns_id(&self) -> String {
+        self.inner.netns.id()
+    }
+
+    /// Pid of the process holding the namespace (`/proc/<pid>/ns/net`).
+    pub fn anchor_pid(&self) -> u32 {
+        self.inner.netns.pid
+    }
+
+    /// A short-lived command run inside the node's namespace.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        self.inner.netns.command(program)
+    }
+
+    /// Starts a long-running process (e.g. the node proxy) inside the node's
+    /// namespace, output appended to `log`. Dropping it kills it.
+    pub fn spawn(
+        &self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &OsStr)],
+        log: &Path,
+    ) -> io::Result<ChildProcess> {
+        self.inner.netns.spawn(name, program, args, env, log)
+    }
+
+    /// Adds a pod: its own namespace, a veth to this node, the next address of
+    /// the node's pod range and a default route via the node.
+    pub fn add_pod(&self, name: &str) -> Result<NetPod, NetError> {
+        let node = &self.inner;
+        let mut next = node.next_pod.lock().unwrap_or_else(|e| e.into_inner());
+        let index = *next;
+        if index > MAX_PODS {
+            return Err(NetError::Full {
+                what: "pods",
+                max: MAX_PODS,
+                per: "node",
+            });
+        }
+        let ip = Ipv4Addr::new(10, node.lan.slot, node.index, 1 + index);
+        let gateway = node.pod_gateway();
+        *next += 1; // taken even on failure, as for nodes
+        let netns = Netns::new(&format!("pod {name} on {}", node.name))?;
+        node.netns.ip(&[
+            format!(
+                "link add p{index} type veth peer name eth0 netns {}",
+                netns.pid
+            ),
+            format!("link set p{index} up"),
+            format!("route add {ip}/32 dev p{index} src {}", node.ip),
+        ])?;
+        netns.ip(&[
+            "link set lo up".into(),
+            format!("addr add {ip}/32 dev eth0"),
+            "link set eth0 up".into(),
+            format!("route add {gateway}/32 dev eth0 scope link"),
+            format!("route add default via {gateway} dev eth0"),
+        ])?;
+        Ok(NetPod {
+            name: name.into(),
+            ip,
+            netns,
+            node: self.clone(),
+        })
+    }
+}
+
+/// A pod: its own network namespace behind its node. Processes started with
+/// [`NetPod::spawn`] are the pod's containers.
+#[derive(Debug)]
+pub struct NetPod {
+    name: String,
+    ip: Ipv4Addr,
+    netns: Netns,
+    // After `netns`: the node outlives its pods.
+    node: NetNode,
+}
+
+impl NetPod {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn ip(&self) -> Ipv4Addr {
+        self.ip
+    }
+
+    /// The node this pod runs on.
+    pub fn node(&self) -> &NetNode {
+        &self.node
+    }
+
+    /// `net:[inode]` of the pod's namespace.
+    pub fn netns_id(&self) -> String {
+        self.netns.id()
+    }
+
+    /// Pid of the process holding the namespace.
+    pub fn anchor_pid(&self) -> u32 {
+        self.netns.pid
+    }
+
+    /// A short-lived command run inside the pod's namespace (a client, or
+    /// iptables rules for transparent redirection).
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        self.netns.command(program)
+    }
+
+    /// Starts a long-running process inside the pod's namespace, output
+    /// appended to `log`. Dropping it kills it.
+    pub fn spawn(
+        &self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &OsStr)],
+        log: &Path,
+    ) -> io::Result<ChildProcess> {
+        self.netns.spawn(name, program, args, env, log)
+    }
+
+    /// The Pod object for this pod (address and node filled in), to refine with
+    /// the `with_*` methods and create with [`crate::workloads::create_ready_pod`].
+    pub fn test_pod(&self, namespace: &str) -> crate::workloads::TestPod {
+        crate::workloads::TestPod::new(
+            namespace,
+            &self.name,
+            self.node.name(),
+            std::net::IpAddr::V4(self.ip),
+        )
+    }
+}
