@@ -182,9 +182,20 @@ async fn main() {
         let start = Instant::now();
         link(&env, &label).await;
         let mut peak = rss_before;
+        // Poll the Link's status (one small GET), not a list of thousands of
+        // mirrors: listing every 200 ms would load the API server more than the
+        // controller under test does.
+        let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
         loop {
             peak = peak.max(rss_kib(env.controller.pid().unwrap()));
-            if count_mirrors(&ec, &label).await >= size {
+            let reported = links
+                .get_opt(&label)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.status)
+                .map_or(0, |s| s.mirrored_services as usize);
+            if reported >= size {
                 break;
             }
             assert!(
@@ -194,6 +205,11 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let took = start.elapsed();
+        let listed = count_mirrors(&ec, &label).await;
+        assert!(
+            listed >= size,
+            "status says {size} mirrored, the API lists {listed}"
+        );
         tokio::time::sleep(Duration::from_secs(2)).await;
         peak = peak.max(rss_kib(env.controller.pid().unwrap()));
         println!(

@@ -22,11 +22,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::api::ListParams;
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use strait_mesh::link::{CLUSTER_NAME_LABEL, LINK_FINALIZER, Link, MIRRORED_LABEL};
 use tokio::sync::{Mutex, watch};
@@ -77,16 +78,21 @@ impl Default for MirrorConfig {
     }
 }
 
+/// Every local Service, names and labels only: whether a name is taken by a
+/// Service that is not a mirror is answered here, not by a GET per new mirror.
+pub type LocalServices = Store<PartialObjectMeta<Service>>;
+
 /// Shared by every reconcile.
 pub struct Context {
     config: MirrorConfig,
     client: Client,
     recorder: Recorder,
     workers: Mutex<HashMap<String, WorkerHandle>>,
+    local_services: LocalServices,
 }
 
 impl Context {
-    pub fn new(client: Client, config: MirrorConfig) -> Self {
+    fn new(client: Client, config: MirrorConfig, local_services: LocalServices) -> Self {
         let reporter = Reporter {
             controller: "strait-mirror".into(),
             instance: std::env::var("POD_NAME").ok(),
@@ -96,13 +102,45 @@ impl Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             workers: Mutex::new(HashMap::new()),
+            local_services,
         }
     }
 }
 
+/// Watches local Services' metadata into a store, keeping only what the
+/// conflict check needs (name, namespace, the mirror label) to bound memory.
+fn watch_local_services(client: Client) -> (LocalServices, tokio::task::JoinHandle<()>) {
+    let (reader, writer) = reflector::store::<PartialObjectMeta<Service>>();
+    let stream = watcher(
+        Api::<PartialObjectMeta<Service>>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|svc| {
+        let m = &mut svc.metadata;
+        m.annotations = None;
+        m.managed_fields = None;
+        m.owner_references = None;
+        if let Some(labels) = m.labels.as_mut() {
+            labels.retain(|k, _| k == MIRRORED_LABEL || k == CLUSTER_NAME_LABEL);
+        }
+    });
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+        while let Some(item) = stream.next().await {
+            if let Err(e) = item {
+                tracing::warn!("watching local Services: {e}");
+            }
+        }
+    });
+    (reader, task)
+}
+
 /// Runs the controller until the future is dropped.
 pub async fn run(client: Client, config: MirrorConfig) {
-    let ctx = Arc::new(Context::new(client.clone(), config));
+    let (local_services, watch_task) = watch_local_services(client.clone());
+    let _watch_task = worker::AbortOnDrop(vec![watch_task]);
+    let ctx = Arc::new(Context::new(client.clone(), config, local_services));
     let links: Api<Link> = Api::namespaced(client.clone(), &ctx.config.namespace);
     let controller = Controller::new(links, watcher::Config::default());
     let store = controller.store();
@@ -203,6 +241,7 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
     );
     tokio::spawn(worker::run(
         ctx.client.clone(),
+        ctx.local_services.clone(),
         (*link).clone(),
         reporter,
         ctx.config.clone(),

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use strait_mesh::link::{
@@ -122,6 +122,7 @@ fn hash_of<T: serde::Serialize>(value: &T) -> u64 {
 /// Runs until `stop` fires. Restarts its watches on credential or remote errors.
 pub async fn run(
     local: Client,
+    local_services: crate::LocalServices,
     link: Link,
     status: StatusReporter,
     config: crate::MirrorConfig,
@@ -138,7 +139,7 @@ pub async fn run(
     let mut backoff = Duration::from_millis(500);
     loop {
         let outcome = tokio::select! {
-            r = run_once(&local, &link, &status, &config, gateways.clone()) => r,
+            r = run_once(&local, &local_services, &link, &status, &config, gateways.clone()) => r,
             _ = stop.changed() => return,
         };
         if let Err(message) = outcome {
@@ -192,6 +193,7 @@ type GatewayWatch = watch::Receiver<Option<Vec<GatewayEndpoint>>>;
 
 async fn run_once(
     local: &Client,
+    local_services: &crate::LocalServices,
     link: &Link,
     status: &StatusReporter,
     config: &crate::MirrorConfig,
@@ -218,6 +220,7 @@ async fn run_once(
     let Some(selector) = selector_query(&spec.selector) else {
         // An empty selector matches nothing: remove every mirror of this Link.
         status.set_health(LinkHealth::remote_ok()).await;
+        let _ = local_services.wait_until_ready().await;
         let mut state = LinkState::default();
         let (no_services, _) = reflector::store::<Service>();
         let (no_slices, _) = reflector::store::<EndpointSlice>();
@@ -226,7 +229,11 @@ async fn run_once(
             slices: &no_slices,
             gateways: &[],
         };
-        sync(local, spec, nothing, &mut state, status, true).await;
+        let here = Local {
+            client: local,
+            services: local_services,
+        };
+        sync(here, spec, nothing, &mut state, status, true).await;
         futures::future::pending::<()>().await;
         return Ok(());
     };
@@ -301,8 +308,10 @@ async fn run_once(
         }
     }
     status.set_health(LinkHealth::remote_ok()).await;
-    // The first pass waits for the gateway's addresses (resolved, not yet probed).
+    // The first pass waits for the gateway's addresses (resolved, not yet probed)
+    // and for the local Services (the name-conflict check reads them).
     let _ = gateways.wait_for(Option::is_some).await;
+    let _ = local_services.wait_until_ready().await;
     let mut state = LinkState::default();
     // One sync pass over this Link's stores; `full` also removes orphans.
     let pass = async |state: &mut LinkState, gateways: &GatewayWatch, full: bool| {
@@ -312,7 +321,11 @@ async fn run_once(
             slices: &slice_reader,
             gateways: &endpoints,
         };
-        sync(local, spec, remote, state, status, full).await
+        let here = Local {
+            client: local,
+            services: local_services,
+        };
+        sync(here, spec, remote, state, status, full).await
     };
     pass(&mut state, &gateways, true).await;
     let mut remote_ok = true;
@@ -362,13 +375,20 @@ async fn run_once(
     }
 }
 
-struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+pub(crate) struct AbortOnDrop(pub(crate) Vec<tokio::task::JoinHandle<()>>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         for t in &self.0 {
             t.abort();
         }
     }
+}
+
+/// Where mirrors are written: the local API and what is known of its Services.
+#[derive(Clone, Copy)]
+struct Local<'a> {
+    client: &'a Client,
+    services: &'a crate::LocalServices,
 }
 
 /// What one sync pass mirrors: the remote's exported services and their
@@ -384,7 +404,7 @@ struct Remote<'a> {
 /// local mirrors of this cluster that are no longer wanted even if this worker
 /// never applied them (orphans from before a restart).
 async fn sync(
-    local: &Client,
+    local: Local<'_>,
     spec: &LinkSpec,
     remote: Remote<'_>,
     state: &mut LinkState,
@@ -451,7 +471,7 @@ async fn sync(
     }
     // Remove mirrors no longer wanted.
     let stale: Vec<(String, String)> = if full {
-        match list_local_mirrors(local, cluster).await {
+        match list_local_mirrors(local.client, cluster).await {
             Ok(all) => all.into_iter().filter(|k| !wanted.contains(k)).collect(),
             Err(e) => {
                 tracing::warn!(cluster = %cluster, "listing local mirrors failed: {e}");
@@ -467,7 +487,7 @@ async fn sync(
             .collect()
     };
     for (ns, name) in stale {
-        if delete_mirror(local, &ns, &name).await {
+        if delete_mirror(local.client, &ns, &name).await {
             applied.services.remove(&(ns.clone(), name.clone()));
             applied.cluster_ips.remove(&(ns.clone(), name.clone()));
             applied.slices.remove(&(ns, name));
@@ -587,7 +607,7 @@ struct Outcome {
 
 /// Mirrors one remote service (and, when headless, its pods).
 async fn mirror_one(
-    local: &Client,
+    local: Local<'_>,
     spec: &LinkSpec,
     remote: Arc<Service>,
     remote_slices: Vec<Arc<EndpointSlice>>,
@@ -648,7 +668,7 @@ async fn mirror_one(
 }
 
 async fn apply_mirror(
-    local: &Client,
+    local: Local<'_>,
     service: &Service,
     slice: Option<&EndpointSlice>,
     cache: &Applied,
@@ -659,24 +679,18 @@ async fn apply_mirror(
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let svc_hash = hash_of(service);
     if cache.services.get(&key) != Some(&svc_hash) {
-        let api = Api::<Service>::namespaced(local.clone(), &ns);
-        if !cache.services.contains_key(&key) {
-            // Never take over a Service that is not ours.
-            match api.get_opt(&name).await {
-                Ok(Some(existing))
-                    if existing.labels().get(MIRRORED_LABEL).map(String::as_str)
-                        != Some("true") =>
-                {
-                    return Err((
-                        "NameConflict",
-                        format!(
-                            "a local Service {ns}/{name} that is not a mirror exists; rename it or exclude the remote Service"
-                        ),
-                    ));
-                }
-                Ok(_) => {}
-                Err(e) => return Err(("ApiError", format!("reading Service {ns}/{name}: {e}"))),
-            }
+        let api = Api::<Service>::namespaced(local.client.clone(), &ns);
+        // Never take over a Service that is not ours.
+        if !cache.services.contains_key(&key)
+            && let Some(existing) = local.services.get(&ObjectRef::new(&name).within(&ns))
+            && existing.labels().get(MIRRORED_LABEL).map(String::as_str) != Some("true")
+        {
+            return Err((
+                "NameConflict",
+                format!(
+                    "a local Service {ns}/{name} that is not a mirror exists; rename it or exclude the remote Service"
+                ),
+            ));
         }
         let body = with_type_meta(service, "v1", "Service");
         match api.patch(&name, &params, &Patch::Apply(&body)).await {
@@ -701,7 +715,7 @@ async fn apply_mirror(
         let slice_hash = hash_of(slice);
         if cache.slices.get(&key) != Some(&slice_hash) {
             let body = with_type_meta(slice, "discovery.k8s.io/v1", "EndpointSlice");
-            Api::<EndpointSlice>::namespaced(local.clone(), &ns)
+            Api::<EndpointSlice>::namespaced(local.client.clone(), &ns)
                 .patch(&name, &params, &Patch::Apply(&body))
                 .await
                 .map_err(|e| {
