@@ -9,3 +9,4 @@ pub mod admin;
 pub mod identity;
 pub mod link;
 pub mod telemetry;
+pub mod tunnel;
