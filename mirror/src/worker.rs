@@ -241,15 +241,24 @@ async fn run_once(
     let notify = Arc::new(Notify::new());
     let (svc_reader, svc_writer) = reflector::store::<Service>();
     let (slice_reader, slice_writer) = reflector::store::<EndpointSlice>();
+    // Managed fields are never mirrored; dropping them roughly halves what
+    // the stores hold (10,000 exported services).
     let services = watcher(
         Api::<Service>::all(remote.clone()),
         watcher::Config::default().labels(&selector),
-    );
+    )
+    .modify(|s| {
+        s.metadata.managed_fields = None;
+        if let Some(a) = s.metadata.annotations.as_mut() {
+            a.remove("kubectl.kubernetes.io/last-applied-configuration");
+        }
+    });
     // Only slices that belong to a Service; filtered to exported ones when syncing.
     let slices = watcher(
         Api::<EndpointSlice>::all(remote.clone()),
         watcher::Config::default().labels(SERVICE_NAME_LABEL),
-    );
+    )
+    .modify(|s| s.metadata.managed_fields = None);
     let (health_tx, mut health_rx) = tokio::sync::mpsc::channel::<Result<(), String>>(16);
     let watch_task = |stream: futures::stream::BoxStream<'static, Result<(), watcher::Error>>| {
         let (notify, health) = (notify.clone(), health_tx.clone());

@@ -19,6 +19,7 @@
 pub mod cluster;
 pub mod controlplane;
 pub mod dns;
+pub mod issuer;
 pub mod kubeconfig;
 pub mod net;
 pub mod pki;
@@ -30,3 +31,22 @@ pub mod workloads;
 pub use cluster::{Cluster, ClusterConfig, ClusterError};
 pub use net::{ClusterNetwork, NetNode, NetPod};
 pub use topology::ClusterTopology;
+
+/// A binary of this workspace built next to the running test executable
+/// (`cargo test --workspace` builds every one first). Panics with the command
+/// that builds it when it is missing.
+pub fn workspace_binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test executable lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --bin {name}` (or the whole workspace's tests)",
+        path.display()
+    );
+    path
+}

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use super::client::{
-    IdentityMetrics, IssueError, IssuerClient, ManagedIdentity, RefreshPolicy, TokenSource,
+    IdentityMetrics, IdentityStore, IssueError, IssuerClient, ManagedIdentity, RefreshPolicy,
+    TokenSource,
 };
 use super::tls::{TlsError, TrustBundle};
 
@@ -67,23 +68,44 @@ pub struct WorkloadIdentity {
 }
 
 impl IdentityArgs {
-    /// Reads the trust anchors and fetches the first certificate (the caller
-    /// waits for it: without an identity a component cannot do its job).
-    pub async fn start(
-        &self,
-        metrics: IdentityMetrics,
-    ) -> Result<WorkloadIdentity, WorkloadIdentityError> {
+    /// The trust anchors every peer must chain to.
+    pub fn bundle(&self) -> Result<TrustBundle, WorkloadIdentityError> {
         let pem = std::fs::read(&self.trust_anchors).map_err(|source| {
             WorkloadIdentityError::Anchors {
                 path: self.trust_anchors.clone(),
                 source,
             }
         })?;
-        let bundle =
-            TrustBundle::from_pem(&pem).map_err(|source| WorkloadIdentityError::BadAnchors {
-                path: self.trust_anchors.clone(),
-                source,
-            })?;
+        TrustBundle::from_pem(&pem).map_err(|source| WorkloadIdentityError::BadAnchors {
+            path: self.trust_anchors.clone(),
+            source,
+        })
+    }
+
+    /// A store of identities fetched with this component's token: its own and,
+    /// for a node proxy, those of the pods on its node.
+    pub fn store(
+        &self,
+        metrics: IdentityMetrics,
+    ) -> Result<(IdentityStore, TrustBundle), WorkloadIdentityError> {
+        let bundle = self.bundle()?;
+        let client = IssuerClient::new(&self.issuer_addr, &self.issuer_name, &bundle)?;
+        let store = IdentityStore::new(
+            client,
+            TokenSource::File(self.token_file.clone()),
+            RefreshPolicy::default(),
+            metrics,
+        );
+        Ok((store, bundle))
+    }
+
+    /// Reads the trust anchors and fetches the first certificate (the caller
+    /// waits for it: without an identity a component cannot do its job).
+    pub async fn start(
+        &self,
+        metrics: IdentityMetrics,
+    ) -> Result<WorkloadIdentity, WorkloadIdentityError> {
+        let bundle = self.bundle()?;
         let client = IssuerClient::new(&self.issuer_addr, &self.issuer_name, &bundle)?;
         let identity = ManagedIdentity::start(
             client,
