@@ -23,7 +23,7 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::Link;
-use strait_testenv::process::{ChildProcess, rss_kib};
+use strait_testenv::process::{ChildProcess, cpu_seconds, rss_kib};
 use strait_testenv::workloads::ensure_namespace;
 use strait_testenv::{Cluster, kubeconfig};
 
@@ -179,6 +179,14 @@ async fn main() {
         .collect::<Vec<_>>()
         .await;
         let rss_before = rss_kib(env.controller.pid().unwrap());
+        // Where the time goes: CPU of the controller and of each cluster's
+        // control plane (etcd, API server, controller manager) during the sync.
+        let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+        let cpu_before = (
+            cpu(&[env.controller.pid().unwrap()]),
+            cpu(&env.east.pids()),
+            cpu(&env.west.pids()),
+        );
         let start = Instant::now();
         link(&env, &label).await;
         let mut peak = rss_before;
@@ -213,10 +221,14 @@ async fn main() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         peak = peak.max(rss_kib(env.controller.pid().unwrap()));
         println!(
-            "initial sync of {size} exported services: {:.1} s, controller RSS peak {} MiB (before {} MiB)",
+            "initial sync of {size} exported services: {:.1} s, controller RSS peak {} MiB (before {} MiB); \
+             CPU during it: controller {:.1} s, east control plane {:.1} s, west control plane {:.1} s",
             took.as_secs_f64(),
             peak / 1024,
-            rss_before / 1024
+            rss_before / 1024,
+            cpu(&[env.controller.pid().unwrap()]) - cpu_before.0,
+            cpu(&env.east.pids()) - cpu_before.1,
+            cpu(&env.west.pids()) - cpu_before.2,
         );
     }
 
