@@ -31,6 +31,23 @@ struct Args {
     /// Address to serve the TCP echo on (repeatable).
     #[arg(long)]
     echo: Vec<SocketAddr>,
+    /// Address of a server-speaks-first service (like SMTP or MySQL): it sends
+    /// `220 <pod> ready` on connect, then echoes (repeatable).
+    #[arg(long)]
+    banner: Vec<SocketAddr>,
+    /// Answer HTTP requests only after this long (a slow endpoint), e.g. `100ms`.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    delay: Option<std::time::Duration>,
+    /// Answer HTTP requests with this status (a failing endpoint), e.g. 503.
+    #[arg(long, default_value_t = 200)]
+    status: u16,
+}
+
+/// How the HTTP side answers.
+#[derive(Clone, Copy, Debug)]
+struct Behaviour {
+    delay: Option<std::time::Duration>,
+    status: hyper::StatusCode,
 }
 
 #[tokio::main]
@@ -38,9 +55,14 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     strait_mesh::telemetry::init_tracing(Default::default(), "info");
     anyhow::ensure!(
-        !args.http.is_empty() || !args.echo.is_empty(),
-        "give at least one --http or --echo address"
+        !args.http.is_empty() || !args.echo.is_empty() || !args.banner.is_empty(),
+        "give at least one --http, --echo or --banner address"
     );
+    let behaviour = Behaviour {
+        delay: args.delay,
+        status: hyper::StatusCode::from_u16(args.status)
+            .map_err(|e| anyhow::anyhow!("--status {}: {e}", args.status))?,
+    };
     let name: Arc<str> = args.name.into();
     let mut tasks = tokio::task::JoinSet::new();
     for addr in args.http {
@@ -48,14 +70,21 @@ async fn main() -> anyhow::Result<()> {
             .await
             .map_err(|e| anyhow::anyhow!("bind HTTP {addr}: {e}"))?;
         tracing::info!(%addr, "serving HTTP/1.1 and h2c");
-        tasks.spawn(serve_http(listener, name.clone()));
+        tasks.spawn(serve_http(listener, name.clone(), behaviour));
     }
     for addr in args.echo {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| anyhow::anyhow!("bind echo {addr}: {e}"))?;
         tracing::info!(%addr, "serving TCP echo");
-        tasks.spawn(serve_echo(listener, name.clone()));
+        tasks.spawn(serve_echo(listener, name.clone(), false));
+    }
+    for addr in args.banner {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("bind banner {addr}: {e}"))?;
+        tracing::info!(%addr, "serving a server-speaks-first banner + echo");
+        tasks.spawn(serve_echo(listener, name.clone(), true));
     }
     // Listeners run until the process is killed; a failing accept loop ends it.
     while let Some(result) = tasks.join_next().await {
@@ -64,12 +93,17 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve_http(listener: TcpListener, name: Arc<str>) -> anyhow::Result<()> {
+async fn serve_http(
+    listener: TcpListener,
+    name: Arc<str>,
+    behaviour: Behaviour,
+) -> anyhow::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
         let name = name.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| answer(req, name.clone(), peer));
+            let service =
+                hyper::service::service_fn(move |req| answer(req, name.clone(), peer, behaviour));
             if let Err(e) = auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
                 .await
@@ -84,7 +118,11 @@ async fn answer(
     req: Request<hyper::body::Incoming>,
     name: Arc<str>,
     peer: SocketAddr,
+    behaviour: Behaviour,
 ) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    if let Some(delay) = behaviour.delay {
+        tokio::time::sleep(delay).await;
+    }
     let headers: serde_json::Map<String, serde_json::Value> = req
         .headers()
         .iter()
@@ -104,6 +142,7 @@ async fn answer(
         "headers": headers,
     });
     let response = Response::builder()
+        .status(behaviour.status)
         .header("content-type", "application/json")
         .header("x-strait-pod", &*name)
         .body(Full::new(Bytes::from(format!("{body}\n"))))
@@ -111,11 +150,19 @@ async fn answer(
     Ok(response)
 }
 
-async fn serve_echo(listener: TcpListener, name: Arc<str>) -> anyhow::Result<()> {
+async fn serve_echo(listener: TcpListener, name: Arc<str>, banner: bool) -> anyhow::Result<()> {
     loop {
-        let (stream, peer) = listener.accept().await?;
+        let (mut stream, peer) = listener.accept().await?;
         let name = name.clone();
         tokio::spawn(async move {
+            if banner
+                && let Err(e) = stream
+                    .write_all(format!("220 {name} ready\r\n").as_bytes())
+                    .await
+            {
+                tracing::debug!(%peer, "banner: {e}");
+                return;
+            }
             if let Err(e) = echo(stream, &name).await {
                 tracing::debug!(%peer, "echo connection ended: {e}");
             }
