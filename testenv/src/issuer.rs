@@ -5,7 +5,6 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::TokenRequest;
@@ -130,17 +129,7 @@ pub async fn start_issuer_on(
     ip: IpAddr,
 ) -> RunningIssuer {
     let rbac = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/identity/rbac.yaml");
-    let out = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(cluster.kubeconfig_path())
-        .args(["apply", "-f", rbac])
-        .output()
-        .expect("run kubectl");
-    assert!(
-        out.status.success(),
-        "kubectl apply rbac: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::kubectl_apply(cluster, rbac);
     crate::workloads::wait_for_service_account(
         &cluster.client(),
         "strait-system",

@@ -50,3 +50,19 @@ pub fn workspace_binary(name: &str) -> std::path::PathBuf {
     );
     path
 }
+
+/// `kubectl apply -f <file>` against `cluster` with the stock kubectl (what a
+/// user runs); panics with kubectl's error.
+pub fn kubectl_apply(cluster: &Cluster, file: &str) {
+    let out = std::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig_path())
+        .args(["apply", "-f", file])
+        .output()
+        .expect("run kubectl (it ships with machines of this kind)");
+    assert!(
+        out.status.success(),
+        "kubectl apply -f {file}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
