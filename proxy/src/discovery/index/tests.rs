@@ -1,0 +1,331 @@
+//! The tables from hand-made objects: port resolution, readiness, routes.
+
+use super::*;
+use serde_json::json;
+
+fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Arc<T> {
+    Arc::new(serde_json::from_value(v).expect("test object"))
+}
+
+fn config() -> IndexConfig {
+    IndexConfig {
+        node_name: "node-a".into(),
+        cluster_domain: "cluster.local".into(),
+        trust_domain: "east.strait".into(),
+        inbound_port: 4143,
+    }
+}
+
+fn node(name: &str, ip: &str) -> Arc<Node> {
+    obj(json!({"metadata": {"name": name},
+        "status": {"addresses": [{"type": "Hostname", "address": name}, {"type": "InternalIP", "address": ip}]}}))
+}
+
+fn pod(name: &str, node: &str, ip: &str, sa: &str) -> Arc<Pod> {
+    obj(json!({
+        "metadata": {"name": name, "namespace": "shop"},
+        "spec": {"nodeName": node, "serviceAccountName": sa, "containers": []},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+            "conditions": [{"type": "Ready", "status": "True"}]},
+    }))
+}
+
+fn service(name: &str, cluster_ip: &str, extra: serde_json::Value) -> Arc<Service> {
+    let mut v = json!({
+        "metadata": {"name": name, "namespace": "shop"},
+        "spec": {"clusterIP": cluster_ip, "clusterIPs": [cluster_ip],
+            "ports": [{"name": "http", "port": 80, "targetPort": "web", "protocol": "TCP"},
+                      {"name": "dns", "port": 53, "protocol": "UDP"}]},
+    });
+    merge(&mut v, extra);
+    obj(v)
+}
+
+fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+    match (a, b) {
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+/// A slice of `svc` with port `http` → `port`, endpoints (pod, ip, node, ready).
+fn slice(
+    svc: &str,
+    name: &str,
+    port: u16,
+    eps: &[(&str, &str, &str, Option<bool>)],
+) -> Arc<EndpointSlice> {
+    let endpoints: Vec<_> = eps
+        .iter()
+        .map(|(pod, ip, node, ready)| {
+            json!({"addresses": [ip], "nodeName": node, "conditions": {"ready": ready},
+                "targetRef": {"kind": "Pod", "namespace": "shop", "name": pod}})
+        })
+        .collect();
+    obj(json!({
+        "metadata": {"name": name, "namespace": "shop", "labels": {SERVICE_NAME_LABEL: svc}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": endpoints,
+    }))
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+fn cluster() -> Snapshot {
+    Snapshot::build(
+        &config(),
+        &[service(
+            "web",
+            "10.96.0.10",
+            json!({"metadata": {"annotations": {OPAQUE_PORTS_ANNOTATION: "80"}}}),
+        )],
+        &[
+            // A named targetPort that resolves differently per pod: two slices.
+            slice(
+                "web",
+                "web-a",
+                8080,
+                &[
+                    ("web-0", "10.244.1.2", "node-a", Some(true)),
+                    ("web-1", "10.244.2.2", "node-b", None),
+                ],
+            ),
+            slice(
+                "web",
+                "web-b",
+                9090,
+                &[
+                    ("web-2", "10.244.3.2", "node-c", Some(true)),
+                    ("web-3", "10.244.3.3", "node-c", Some(false)),
+                ],
+            ),
+        ],
+        &[
+            pod("web-0", "node-a", "10.244.1.2", "web"),
+            pod("web-1", "node-b", "10.244.2.2", "web"),
+            pod("web-2", "node-c", "10.244.3.2", "web"),
+            pod("web-3", "node-c", "10.244.3.3", "web"),
+        ],
+        &[
+            node("node-a", "10.0.0.11"),
+            node("node-b", "10.0.0.12"),
+            node("node-c", "10.0.0.13"),
+        ],
+    )
+}
+
+#[test]
+fn a_cluster_ip_resolves_to_ready_endpoints_via_their_node_proxies() {
+    let snap = cluster();
+    let dest = snap.resolve_addr(addr("10.96.0.10:80")).expect("service");
+    assert_eq!(
+        dest.service,
+        Some(ServiceRef {
+            namespace: "shop".into(),
+            name: "web".into()
+        })
+    );
+    assert_eq!(dest.fq_name.as_deref(), Some("web.shop.svc.cluster.local"));
+    assert_eq!(
+        dest.port,
+        ServicePortRef {
+            name: Some("http".into()),
+            port: 80
+        }
+    );
+    assert!(dest.opaque);
+    let got: Vec<(SocketAddr, SocketAddr)> = dest
+        .endpoints
+        .iter()
+        .map(|e| match &e.route {
+            Route::NodeProxy { proxy, .. } => (e.addr, *proxy),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (addr("10.244.1.2:8080"), addr("10.0.0.11:4143")),
+            (addr("10.244.2.2:8080"), addr("10.0.0.12:4143")),
+            (addr("10.244.3.2:9090"), addr("10.0.0.13:4143")),
+        ],
+        "not-ready web-3 left out; unset `ready` counts as ready"
+    );
+    assert_eq!(
+        dest.endpoints[0]
+            .identity()
+            .map(ToString::to_string)
+            .as_deref(),
+        Some("spiffe://east.strait/ns/shop/sa/web")
+    );
+    // UDP ports and unknown ports are not ours.
+    assert!(snap.resolve_addr(addr("10.96.0.10:53")).is_none());
+    assert!(snap.resolve_addr(addr("10.96.0.10:81")).is_none());
+}
+
+#[test]
+fn names_resolve_in_every_form_to_the_same_destination() {
+    let snap = cluster();
+    let by_ip = snap.resolve_addr(addr("10.96.0.10:80")).unwrap();
+    for host in [
+        "web.shop",
+        "web.shop.svc",
+        "web.shop.svc.cluster.local",
+        "WEB.shop.svc.cluster.local.",
+    ] {
+        let d = snap
+            .resolve_name(host, 80)
+            .unwrap_or_else(|| panic!("{host}"));
+        assert!(Arc::ptr_eq(&d, &by_ip), "{host}");
+    }
+    assert!(
+        snap.resolve_name("web.shop", 8080).is_none(),
+        "a target port is not a service port"
+    );
+    assert!(snap.resolve_name("web.other", 80).is_none());
+}
+
+#[test]
+fn pod_ips_resolve_to_that_pod_and_local_pod_is_only_this_node() {
+    let snap = cluster();
+    let d = snap.resolve_addr(addr("10.244.3.3:7000")).expect("pod IP");
+    assert!(d.service.is_none());
+    assert_eq!(
+        d.endpoints.len(),
+        1,
+        "a pod called directly is used even when not ready"
+    );
+    assert_eq!(d.endpoints[0].addr, addr("10.244.3.3:7000"));
+    assert!(snap.local_pod("10.244.1.2".parse().unwrap()).is_some());
+    assert!(snap.local_pod("10.244.2.2".parse().unwrap()).is_none());
+    assert!(snap.local_pod("10.99.99.99".parse().unwrap()).is_none());
+    assert_eq!(snap.node_proxy("node-b"), Some(addr("10.0.0.12:4143")));
+}
+
+#[test]
+fn host_network_pods_are_not_indexed_by_ip() {
+    let mut p = (*pod("agent", "node-a", "10.0.0.11", "agent")).clone();
+    p.spec.as_mut().unwrap().host_network = Some(true);
+    let snap = Snapshot::build(
+        &config(),
+        &[],
+        &[],
+        &[Arc::new(p)],
+        &[node("node-a", "10.0.0.11")],
+    );
+    assert!(snap.local_pod("10.0.0.11".parse().unwrap()).is_none());
+}
+
+#[test]
+fn mirror_services_resolve_to_the_gateway_with_its_identity() {
+    let mirror = service(
+        "web-west",
+        "10.96.0.20",
+        json!({"metadata": {
+            "labels": {MIRRORED_LABEL: "true", CLUSTER_NAME_LABEL: "west"},
+            "annotations": {REMOTE_FQ_NAME_ANNOTATION: "web.shop.svc.cluster.local"}}}),
+    );
+    let mut gw = (*slice("web-west", "web-west", 4143, &[])).clone();
+    gw.endpoints = Some(vec![
+        serde_json::from_value(json!({"addresses": ["10.77.0.1"], "conditions": {"ready": true}}))
+            .unwrap(),
+    ]);
+    let without_identity = gw.clone();
+    gw.metadata.annotations = Some(BTreeMap::from([(
+        GATEWAY_IDENTITY_ANNOTATION.to_string(),
+        "spiffe://west.strait/ns/strait-system/sa/strait-gateway".to_string(),
+    )]));
+    let snap = Snapshot::build(
+        &config(),
+        std::slice::from_ref(&mirror),
+        &[Arc::new(gw)],
+        &[],
+        &[],
+    );
+    let d = snap.resolve_addr(addr("10.96.0.20:80")).unwrap();
+    assert_eq!(
+        d.mirror,
+        Some(MirrorInfo {
+            cluster: "west".into(),
+            remote_fq_name: "web.shop.svc.cluster.local".into()
+        })
+    );
+    assert_eq!(
+        d.endpoints.as_ref(),
+        &[Endpoint {
+            addr: addr("10.77.0.1:4143"),
+            route: Route::Gateway {
+                gateway: addr("10.77.0.1:4143"),
+                identity: "spiffe://west.strait/ns/strait-system/sa/strait-gateway"
+                    .parse()
+                    .unwrap(),
+            },
+        }]
+    );
+    // Without a gateway identity the endpoint cannot be verified: none.
+    let snap = Snapshot::build(
+        &config(),
+        &[mirror],
+        &[Arc::new(without_identity)],
+        &[],
+        &[],
+    );
+    assert!(
+        snap.resolve_addr(addr("10.96.0.20:80"))
+            .unwrap()
+            .endpoints
+            .is_empty()
+    );
+}
+
+#[test]
+fn endpoints_without_a_pod_are_direct_and_unknown_nodes_are_skipped() {
+    let mut external = (*slice("web", "ext", 8443, &[])).clone();
+    external.endpoints = Some(vec![
+        serde_json::from_value(json!({"addresses": ["192.0.2.7"]})).unwrap(),
+    ]);
+    let snap = Snapshot::build(
+        &config(),
+        &[service("web", "10.96.0.10", json!({}))],
+        &[
+            Arc::new(external),
+            slice(
+                "web",
+                "pods",
+                8080,
+                &[("web-9", "10.244.9.2", "node-z", Some(true))],
+            ),
+        ],
+        &[pod("web-9", "node-z", "10.244.9.2", "web")],
+        &[],
+    );
+    let d = snap.resolve_addr(addr("10.96.0.10:80")).unwrap();
+    assert_eq!(
+        d.endpoints.as_ref(),
+        &[Endpoint {
+            addr: addr("192.0.2.7:8443"),
+            route: Route::Direct
+        }]
+    );
+}
+
+#[test]
+fn slice_ports_match_by_service_port_name() {
+    let s: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": "x"}, "addressType": "IPv4",
+        "ports": [{"name": "", "port": 8080}, {"name": "grpc", "port": 9090, "protocol": "TCP"},
+                  {"name": "dns", "port": 5353, "protocol": "UDP"}],
+    }))
+    .unwrap();
+    assert_eq!(slice_port(&s, None), Some(8080));
+    assert_eq!(slice_port(&s, Some("grpc")), Some(9090));
+    assert_eq!(slice_port(&s, Some("dns")), None);
+    assert_eq!(slice_port(&s, Some("http")), None);
+}

@@ -1,0 +1,137 @@
+//! Pure parsing: service host names and the opaque-ports annotation.
+
+/// A Service named by a host: `svc.ns`, `svc.ns.svc` or `svc.ns.svc.<cluster domain>`
+/// (any case, an optional trailing dot). Returns `(namespace, name)`.
+///
+/// Short names (`svc` alone) need the caller's namespace and are not
+/// accepted here; other domains are not ours and return `None`. `svc.ns` looks
+/// like any two-label name (`example.com`): it only resolves if that Service exists.
+pub fn parse_service_host(host: &str, cluster_domain: &str) -> Option<(String, String)> {
+    let host = host.strip_suffix('.').unwrap_or(host);
+    if host.is_empty() || host.len() > 253 {
+        return None;
+    }
+    let lower = host.to_ascii_lowercase();
+    let domain = cluster_domain.trim_end_matches('.').to_ascii_lowercase();
+    let rest: &str = if let Some(prefix) = lower
+        .strip_suffix(domain.as_str())
+        .and_then(|p| p.strip_suffix(".svc."))
+    {
+        prefix
+    } else if let Some(prefix) = lower.strip_suffix(".svc") {
+        prefix
+    } else {
+        &lower
+    };
+    let mut labels = rest.split('.');
+    let (name, namespace) = (labels.next()?, labels.next()?);
+    if labels.next().is_some() || !is_dns_label(name) || !is_dns_label(namespace) {
+        return None;
+    }
+    Some((namespace.to_string(), name.to_string()))
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// `strait.dev/opaque-ports` on a Pod or Service: ports whose traffic is
+/// never protocol-detected. Linkerd's syntax: `25,443,4000-4100`. Invalid
+/// parts are skipped (an annotation typo must not break discovery).
+pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
+
+/// Port ranges, inclusive. Kept as ranges so `0-65535` costs nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PortSet(Vec<(u16, u16)>);
+
+impl PortSet {
+    pub fn parse(value: &str) -> Self {
+        let mut ranges = Vec::new();
+        for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let range = match part.split_once('-') {
+                Some((a, b)) => a.trim().parse().ok().zip(b.trim().parse().ok()),
+                None => part.parse().ok().map(|p| (p, p)),
+            };
+            match range {
+                Some((a, b)) if a <= b && a > 0 => ranges.push((a, b)),
+                _ => tracing::debug!(part, "ignoring invalid opaque port"),
+            }
+        }
+        Self(ranges)
+    }
+
+    pub fn contains(&self, port: u16) -> bool {
+        self.0.iter().any(|&(a, b)| a <= port && port <= b)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(host: &str) -> Option<(String, String)> {
+        parse_service_host(host, "cluster.local")
+    }
+
+    fn key(ns: &str, name: &str) -> Option<(String, String)> {
+        Some((ns.to_string(), name.to_string()))
+    }
+
+    #[test]
+    fn every_service_name_form_parses() {
+        assert_eq!(parsed("web.shop"), key("shop", "web"));
+        assert_eq!(parsed("web.shop.svc"), key("shop", "web"));
+        assert_eq!(parsed("web.shop.svc.cluster.local"), key("shop", "web"));
+        assert_eq!(parsed("web.shop.svc.cluster.local."), key("shop", "web"));
+        assert_eq!(parsed("Web.Shop.SVC.Cluster.Local"), key("shop", "web"));
+    }
+
+    #[test]
+    fn other_names_do_not() {
+        for host in [
+            "",
+            "web",
+            "web.shop.svc.example.org",
+            "pod.web.shop.svc.cluster.local",
+            "web.shop.cluster.local",
+            "-web.shop",
+            "web..svc",
+            "we_b.shop",
+        ] {
+            assert_eq!(parsed(host), None, "{host}");
+        }
+    }
+
+    #[test]
+    fn the_cluster_domain_is_configurable() {
+        assert_eq!(
+            parse_service_host("web.shop.svc.east.example", "east.example."),
+            key("shop", "web")
+        );
+        assert_eq!(
+            parse_service_host("web.shop.svc.cluster.local", "east.example"),
+            None
+        );
+    }
+
+    #[test]
+    fn opaque_ports_take_lists_and_ranges_and_skip_junk() {
+        let set = PortSet::parse("25, 443,4000-4100,x,9-1,0,70000");
+        for p in [25, 443, 4000, 4050, 4100] {
+            assert!(set.contains(p), "{p}");
+        }
+        for p in [24, 80, 3999, 4101, 9, 1] {
+            assert!(!set.contains(p), "{p}");
+        }
+        assert!(PortSet::parse("").is_empty());
+    }
+}
