@@ -1,27 +1,134 @@
-//! `strait-proxy`: Node proxy (one per node): carries local mesh traffic and traffic to remote gateways.
+//! `strait-proxy`: the node proxy (one per node, a DaemonSet).
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::Parser;
+use strait_mesh::admin::{self, Readiness};
+use strait_mesh::identity::client::IdentityMetrics;
+use strait_mesh::identity::workload::IdentityArgs;
 use strait_mesh::telemetry::{LogFormat, init_tracing};
+use strait_proxy::discovery::{Discovery, DiscoveryConfig};
+use strait_proxy::identity::PodIdentities;
+use strait_proxy::inbound::Inbound;
+use strait_proxy::metrics::ProxyMetrics;
+use strait_proxy::outbound::Outbound;
+use strait_proxy::{Drain, MeshView};
 
 /// Node proxy (one per node): carries local mesh traffic and traffic to remote gateways.
 #[derive(Debug, Parser)]
 #[command(name = "strait-proxy", version)]
 struct Args {
+    /// The node this proxy runs on (downward API `spec.nodeName`).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// This cluster's name (a metrics label).
+    #[arg(long, env = "STRAIT_CLUSTER_NAME", default_value = "local")]
+    cluster_name: String,
+    /// Trust domain of workload identities.
+    #[arg(long, env = "STRAIT_TRUST_DOMAIN", default_value = "cluster.local")]
+    trust_domain: String,
+    /// The cluster's DNS domain.
+    #[arg(long, env = "STRAIT_CLUSTER_DOMAIN", default_value = "cluster.local")]
+    cluster_domain: String,
+    /// Where the node's pods reach the proxy (`http_proxy`, CONNECT).
+    #[arg(long, default_value = "0.0.0.0:4140")]
+    outbound_addr: SocketAddr,
+    /// Where other node proxies connect (mutual TLS).
+    #[arg(long, default_value = "0.0.0.0:4143")]
+    inbound_addr: SocketAddr,
     /// Address of the admin server (`/live`, `/ready`, `/metrics`).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
-    admin_addr: std::net::SocketAddr,
+    admin_addr: SocketAddr,
+    /// How long open connections may finish after SIGTERM.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    #[command(flatten)]
+    identity: IdentityArgs,
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
 }
 
-fn main() -> std::process::ExitCode {
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_tracing(args.log_format, "info");
-    tracing::error!(
-        admin_addr = %args.admin_addr,
-        "strait-proxy is not built yet: it arrives with issue #5"
+    let metrics = ProxyMetrics::new(&args.cluster_name);
+    let identity_metrics = IdentityMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    identity_metrics.register(&mut registry);
+    let readiness = Readiness::default();
+    let admin = admin::spawn(args.admin_addr, readiness.clone(), Arc::new(registry)).await?;
+    tracing::info!(%admin, node = %args.node_name, "node proxy starting");
+
+    // Identity first: without it the proxy can carry nothing.
+    let (store, bundle) = args.identity.store(identity_metrics)?;
+    let own = store
+        .get(None)
+        .await
+        .context("getting the proxy's own identity from the issuer")?;
+    tracing::info!(identity = %own.id(), "identity loaded");
+    let identities = PodIdentities::new(store, bundle, &args.trust_domain);
+
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+    let mut config = DiscoveryConfig::new(&args.node_name);
+    config.cluster_domain = args.cluster_domain.clone();
+    config.trust_domain = args.trust_domain.clone();
+    config.inbound_port = args.inbound_addr.port();
+    let (discovery, watches) = Discovery::start(client, config);
+    tokio::spawn(watches);
+    discovery.synced().await?;
+    tracing::info!("discovery synced");
+    let view = Arc::new(MeshView::new(discovery));
+
+    let (drain, start_drain) = Drain::new();
+    let outbound_listener = tokio::net::TcpListener::bind(args.outbound_addr)
+        .await
+        .with_context(|| format!("binding outbound {}", args.outbound_addr))?;
+    let inbound_listener = tokio::net::TcpListener::bind(args.inbound_addr)
+        .await
+        .with_context(|| format!("binding inbound {}", args.inbound_addr))?;
+    let outbound = Outbound::new(
+        &args.node_name,
+        identities.clone(),
+        view.clone(),
+        metrics.clone(),
     );
-    std::process::ExitCode::from(2)
+    let inbound = Arc::new(Inbound {
+        node: args.node_name.clone(),
+        identities,
+        pods: view,
+        metrics,
+    });
+    tokio::spawn(outbound.serve(outbound_listener, drain.clone()));
+    let inbound_task = tokio::spawn(inbound.serve(inbound_listener, drain.clone()));
+    readiness.set_ready(true);
+    tracing::info!(outbound = %args.outbound_addr, inbound = %args.inbound_addr, "ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        _ = inbound_task => {
+            anyhow::bail!("the inbound listener stopped");
+        }
+    }
+    readiness.set_ready(false);
+    let _ = start_drain.send(true);
+    tracing::info!(open = drain.active(), "draining");
+    let left = drain.wait_idle(args.drain_timeout).await;
+    if left > 0 {
+        tracing::warn!(
+            "{left} connections still open after {:?}; closing them",
+            args.drain_timeout
+        );
+    }
+    Ok(())
 }

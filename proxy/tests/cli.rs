@@ -33,3 +33,20 @@ fn rejects_an_unknown_flag_with_a_usage_error() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
 }
+
+#[test]
+fn without_its_trust_anchors_it_refuses_to_start_and_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strait-proxy"))
+        .args([
+            "--node-name=n1",
+            "--admin-addr=127.0.0.1:0",
+            "--trust-anchors",
+        ])
+        .arg(dir.path().join("missing-ca.crt"))
+        .output()
+        .expect("run strait-proxy");
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("missing-ca.crt"), "{stderr}");
+}

@@ -218,6 +218,13 @@ impl Snapshot {
             .cloned()
     }
 
+    /// The pods running on this node (the identities this proxy may hold).
+    pub fn local_pods(&self) -> impl Iterator<Item = &Arc<PodInfo>> {
+        self.pods_by_ip
+            .values()
+            .filter(|p| p.node == self.node_name)
+    }
+
     /// Any pod of the cluster by IP.
     pub fn pod(&self, ip: IpAddr) -> Option<Arc<PodInfo>> {
         self.pods_by_ip.get(&ip).cloned()

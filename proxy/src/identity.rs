@@ -1,0 +1,182 @@
+//! The identities a node proxy holds: one per ServiceAccount of the pods on
+//! its node, obtained from the issuer on the pod's behalf (the issuer checks
+//! that the pod runs on this proxy's node) and kept fresh.
+//!
+//! Between proxies, both ends present the *pods'* identities: the client side
+//! the calling pod's, the server side the called pod's. The server picks its
+//! certificate from the TLS server name, which names the identity the client
+//! expects ([`server_name_for`]): connections arrive at the node's address, not
+//! the pod's, so the name is the only hint of which pod they are for. The
+//! inbound side reads the ClientHello first, fetches that identity if it has
+//! not yet (only for a ServiceAccount one of its pods runs as), then answers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use rustls::pki_types::ServerName;
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::client::{IdentityStore, IssueError, ManagedIdentity};
+use strait_mesh::identity::protocol::PodRef;
+use strait_mesh::identity::tls::{self, TrustBundle};
+
+/// ALPN of proxy-to-proxy connections: the tunnel protocol, version 1.
+pub const TUNNEL_ALPN: &[u8] = b"strait-tunnel/1";
+
+/// Suffix of the TLS server names that carry a destination identity.
+const SERVER_NAME_SUFFIX: &str = "identity.strait.internal";
+
+/// The TLS server name a client sends to reach `id`: `<sa>.<ns>.identity.strait.internal`.
+/// (Namespaces and ServiceAccount names are DNS labels, so this is a valid DNS name.)
+pub fn server_name_for(id: &SpiffeId) -> ServerName<'static> {
+    let name = format!(
+        "{}.{}.{SERVER_NAME_SUFFIX}",
+        id.service_account(),
+        id.namespace()
+    );
+    ServerName::try_from(name).unwrap_or_else(|_| {
+        // Unreachable for valid SPIFFE IDs; a name that matches no identity
+        // makes the server refuse the handshake, which is the safe outcome.
+        ServerName::try_from("invalid.identity.strait.internal").expect("static name is valid")
+    })
+}
+
+/// (namespace, service account) from a server name made by [`server_name_for`].
+pub fn parse_server_name(name: &str) -> Option<(String, String)> {
+    let rest = name.strip_suffix(SERVER_NAME_SUFFIX)?.strip_suffix('.')?;
+    // The namespace is one DNS label; a ServiceAccount name may contain dots.
+    let (sa, ns) = rest.rsplit_once('.')?;
+    (!sa.is_empty() && !ns.is_empty()).then(|| (ns.into(), sa.into()))
+}
+
+/// Identities of this node's pods, by (namespace, service account).
+#[derive(Debug)]
+pub struct PodIdentities {
+    store: IdentityStore,
+    bundle: TrustBundle,
+    trust_domain: String,
+    by_account: RwLock<HashMap<(String, String), Arc<ManagedIdentity>>>,
+    server_configs: RwLock<HashMap<(String, String), Arc<rustls::ServerConfig>>>,
+}
+
+impl PodIdentities {
+    pub fn new(store: IdentityStore, bundle: TrustBundle, trust_domain: &str) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            bundle,
+            trust_domain: trust_domain.to_string(),
+            by_account: RwLock::new(HashMap::new()),
+            server_configs: RwLock::new(HashMap::new()),
+        })
+    }
+
+    pub fn bundle(&self) -> &TrustBundle {
+        &self.bundle
+    }
+
+    pub fn trust_domain(&self) -> &str {
+        &self.trust_domain
+    }
+
+    /// The identity of `pod` (running as `service_account`), fetched once per
+    /// ServiceAccount and then served from memory.
+    pub async fn for_pod(
+        &self,
+        pod: &PodRef,
+        service_account: &str,
+    ) -> Result<Arc<ManagedIdentity>, IssueError> {
+        let key = (pod.namespace.clone(), service_account.to_string());
+        if let Some(found) = self.lookup(&key) {
+            return Ok(found);
+        }
+        let identity = self.store.get(Some(pod.clone())).await?;
+        self.by_account
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, identity.clone());
+        Ok(identity)
+    }
+
+    fn lookup(&self, key: &(String, String)) -> Option<Arc<ManagedIdentity>> {
+        self.by_account
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    /// A client config presenting `source` and accepting only `destination`.
+    pub fn client_config(
+        &self,
+        source: &ManagedIdentity,
+        destination: SpiffeId,
+    ) -> Result<Arc<rustls::ClientConfig>, tls::TlsError> {
+        tls::client_config(
+            &self.bundle,
+            source.cert(),
+            vec![destination],
+            &[TUNNEL_ALPN],
+        )
+        .map(Arc::new)
+    }
+
+    /// The inbound server config for one identity: client certificates
+    /// required (chained to the trust anchors), TLS 1.3, the tunnel ALPN.
+    /// Cached: the certificate slot inside follows every refresh.
+    pub fn server_config(
+        &self,
+        identity: &ManagedIdentity,
+    ) -> Result<Arc<rustls::ServerConfig>, tls::TlsError> {
+        let id = identity.id();
+        let key = (id.namespace().to_string(), id.service_account().to_string());
+        if let Some(found) = self
+            .server_configs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok(found.clone());
+        }
+        let config = Arc::new(tls::server_config(
+            &self.bundle,
+            identity.cert(),
+            &[TUNNEL_ALPN],
+        )?);
+        self.server_configs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, config.clone());
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names_carry_the_identity_both_ways() {
+        let id: SpiffeId = "spiffe://east.strait/ns/shop/sa/web".parse().unwrap();
+        let name = server_name_for(&id);
+        let ServerName::DnsName(dns) = &name else {
+            panic!("a DNS name: {name:?}")
+        };
+        assert_eq!(dns.as_ref(), "web.shop.identity.strait.internal");
+        assert_eq!(
+            parse_server_name(dns.as_ref()),
+            Some(("shop".into(), "web".into()))
+        );
+        assert_eq!(
+            parse_server_name("api.v2.shop.identity.strait.internal"),
+            Some(("shop".into(), "api.v2".into())),
+            "ServiceAccount names may contain dots"
+        );
+        for bad in [
+            "web.shop.example.com",
+            "identity.strait.internal",
+            ".shop.identity.strait.internal",
+            "web.identity.strait.internal",
+        ] {
+            assert_eq!(parse_server_name(bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The inbound side (port 4143): mutual TLS from other node proxies, then a
+//! tunnel header naming a pod; delivered only if that pod runs on this node
+//! and is the identity the client asked for (the server name). Everything
+//! else is refused with a [`TunnelResponse`] that says why, before any byte
+//! reaches a pod.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::protocol::PodRef;
+use strait_mesh::identity::tls;
+use strait_mesh::tunnel::{
+    DEFAULT_READ_TIMEOUT, ResponseStatus, Target, TunnelHeader, TunnelResponse,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::LazyConfigAcceptor;
+
+use crate::Drain;
+use crate::identity::{PodIdentities, parse_server_name};
+use crate::metrics::{ProxyMetrics, TcpLabels};
+
+/// A pod running on this node, as the inbound check needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalPod {
+    pub namespace: String,
+    pub name: String,
+    pub service_account: String,
+}
+
+/// Answers "does a pod with this IP run on this node?" (the localnode rule).
+pub trait LocalPods: Send + Sync + 'static {
+    fn local_pod(&self, ip: IpAddr) -> Option<LocalPod>;
+    /// A pod on this node running as `namespace/service_account`, if any.
+    fn local_pod_running_as(&self, namespace: &str, service_account: &str) -> Option<LocalPod>;
+}
+
+/// How long a peer may take for the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting to a local pod may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct Inbound {
+    pub node: String,
+    pub identities: Arc<PodIdentities>,
+    pub pods: Arc<dyn LocalPods>,
+    pub metrics: ProxyMetrics,
+}
+
+impl Inbound {
+    /// Serves connections until the drain starts.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+        crate::serve_connections(listener, drain, "inbound", move |stream, peer| {
+            let this = self.clone();
+            async move {
+                if let Err(e) = this.handle(stream, peer).await {
+                    tracing::debug!(%peer, "inbound connection: {e}");
+                }
+            }
+        })
+        .await
+    }
+
+    /// The TLS handshake as the identity the client asked for (server name).
+    async fn accept(
+        &self,
+        stream: TcpStream,
+    ) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, (String, String)), String> {
+        let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream)
+            .await
+            .map_err(|e| format!("reading the ClientHello: {e}"))?;
+        let served = start
+            .client_hello()
+            .server_name()
+            .and_then(parse_server_name)
+            .ok_or("the client named no Strait identity (server name <sa>.<ns>.identity.strait.internal)")?;
+        let pod = self
+            .pods
+            .local_pod_running_as(&served.0, &served.1)
+            .ok_or_else(|| {
+                format!(
+                    "no pod on node {} runs as {}/{}: refusing the handshake",
+                    self.node, served.0, served.1
+                )
+            })?;
+        let identity = self
+            .identities
+            .for_pod(
+                &PodRef {
+                    namespace: pod.namespace.clone(),
+                    name: pod.name.clone(),
+                },
+                &pod.service_account,
+            )
+            .await
+            .map_err(|e| format!("identity of {}/{}: {e}", pod.namespace, pod.name))?;
+        let config = self
+            .identities
+            .server_config(&identity)
+            .map_err(|e| e.to_string())?;
+        let tls = start
+            .into_stream(config)
+            .await
+            .map_err(|e| format!("TLS handshake: {e}"))?;
+        Ok((tls, served))
+    }
+
+    async fn handle(&self, stream: TcpStream, peer: SocketAddr) -> Result<(), String> {
+        let (mut tls, served) = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.accept(stream))
+            .await
+            .map_err(|_| "TLS handshake timed out".to_string())??;
+        let client = tls::peer_identity(tls.get_ref().1.peer_certificates())
+            .map_err(|e| format!("peer identity: {e}"))?;
+        let header = match TunnelHeader::read_from(&mut tls, DEFAULT_READ_TIMEOUT).await {
+            Ok(h) => h,
+            Err(e) => {
+                if let Some(answer) = TunnelResponse::for_header_error(&e) {
+                    let _ = answer.write_to(&mut tls).await;
+                }
+                return Err(format!("tunnel header from {client}: {e}"));
+            }
+        };
+        let refuse = async |tls: &mut tokio_rustls::server::TlsStream<TcpStream>,
+                            status: ResponseStatus,
+                            message: String| {
+            tracing::info!(%peer, client = %client, "refused: {message}");
+            let _ = TunnelResponse::refused(status, message.clone())
+                .write_to(tls)
+                .await;
+            let _ = tls.shutdown().await;
+            Err(message)
+        };
+        // A node proxy speaks for its own pods only; a claimed other caller is
+        // a misconfiguration or an attack (gateways come with their own rule).
+        if let Some(source) = &header.source {
+            return refuse(
+                &mut tls,
+                ResponseStatus::Denied,
+                format!("{client} may not speak for {source}: only gateways may carry a caller's identity"),
+            )
+            .await;
+        }
+        let Target::Pod { addr } = header.target else {
+            return refuse(
+                &mut tls,
+                ResponseStatus::NotFound,
+                "a node proxy delivers to pods only; services are resolved by the sender".into(),
+            )
+            .await;
+        };
+        let Some(pod) = self.pods.local_pod(addr.ip()) else {
+            return refuse(
+                &mut tls,
+                ResponseStatus::NotFound,
+                format!("no pod with IP {} runs on node {}", addr.ip(), self.node),
+            )
+            .await;
+        };
+        if (pod.namespace.as_str(), pod.service_account.as_str())
+            != (served.0.as_str(), served.1.as_str())
+        {
+            return refuse(
+                &mut tls,
+                ResponseStatus::Denied,
+                format!(
+                    "pod {}/{} runs as {}/{}, not as the identity the client asked for ({}/{})",
+                    pod.namespace, pod.name, pod.namespace, pod.service_account, served.0, served.1
+                ),
+            )
+            .await;
+        }
+        let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                return refuse(
+                    &mut tls,
+                    ResponseStatus::TargetUnavailable,
+                    format!(
+                        "connecting to pod {}/{} at {addr}: {e}",
+                        pod.namespace, pod.name
+                    ),
+                )
+                .await;
+            }
+            Err(_) => {
+                return refuse(
+                    &mut tls,
+                    ResponseStatus::TargetUnavailable,
+                    format!(
+                        "pod {}/{} at {addr} did not accept within {CONNECT_TIMEOUT:?}",
+                        pod.namespace, pod.name
+                    ),
+                )
+                .await;
+            }
+        };
+        let _ = upstream.set_nodelay(true);
+        TunnelResponse::ok()
+            .write_to(&mut tls)
+            .await
+            .map_err(|e| format!("answering {client}: {e}"))?;
+        let labels = TcpLabels::inbound(&client, &pod);
+        self.metrics.tcp_open(&labels);
+        let mut upstream = upstream;
+        let result = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
+        let (from_client, to_client) = result.unwrap_or((0, 0));
+        self.metrics.tcp_close(&labels, from_client, to_client);
+        Ok(())
+    }
+}
+
+/// The SPIFFE ID a local pod runs as.
+pub fn pod_identity(trust_domain: &str, pod: &LocalPod) -> Result<SpiffeId, String> {
+    SpiffeId::new(trust_domain, &pod.namespace, &pod.service_account).map_err(|e| e.to_string())
+}

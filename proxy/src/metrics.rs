@@ -1,0 +1,175 @@
+//! Proxy metrics on the admin port's `/metrics`, named as operators of Linkerd
+//! already query them. A workload is named by its ServiceAccount (what its
+//! identity says); the cluster label is this proxy's cluster.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use strait_mesh::identity::SpiffeId;
+
+use crate::inbound::LocalPod;
+
+/// Who talked to whom.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TcpLabels {
+    pub direction: String,
+    pub src_namespace: String,
+    pub src_workload: String,
+    pub dst_namespace: String,
+    pub dst_workload: String,
+    pub cluster: String,
+}
+
+impl TcpLabels {
+    /// An inbound connection from `client` to a pod on this node.
+    pub fn inbound(client: &SpiffeId, pod: &LocalPod) -> Self {
+        Self {
+            direction: "inbound".into(),
+            src_namespace: client.namespace().into(),
+            src_workload: client.service_account().into(),
+            dst_namespace: pod.namespace.clone(),
+            dst_workload: pod.service_account.clone(),
+            cluster: String::new(),
+        }
+    }
+
+    /// An outbound connection from a local pod to `destination`.
+    pub fn outbound(source: &SpiffeId, destination: &SpiffeId) -> Self {
+        Self {
+            direction: "outbound".into(),
+            src_namespace: source.namespace().into(),
+            src_workload: source.service_account().into(),
+            dst_namespace: destination.namespace().into(),
+            dst_workload: destination.service_account().into(),
+            cluster: String::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResponseLabels {
+    #[prometheus(flatten)]
+    pub peers: TcpLabels,
+    /// `2xx` … `5xx`, or `error` when no response came.
+    pub status_class: String,
+}
+
+/// Cheap to clone; clones share every series.
+#[derive(Clone, Debug)]
+pub struct ProxyMetrics {
+    cluster: String,
+    tcp_open: Family<TcpLabels, Counter>,
+    tcp_close: Family<TcpLabels, Counter>,
+    tcp_read_bytes: Family<TcpLabels, Counter>,
+    tcp_write_bytes: Family<TcpLabels, Counter>,
+    requests: Family<TcpLabels, Counter>,
+    responses: Family<ResponseLabels, Counter>,
+    latency: Family<TcpLabels, Histogram>,
+    retries: Family<TcpLabels, Counter>,
+    budget_exhausted: Family<TcpLabels, Counter>,
+}
+
+impl ProxyMetrics {
+    pub fn new(cluster: &str) -> Self {
+        Self {
+            cluster: cluster.to_string(),
+            tcp_open: Family::default(),
+            tcp_close: Family::default(),
+            tcp_read_bytes: Family::default(),
+            tcp_write_bytes: Family::default(),
+            requests: Family::default(),
+            responses: Family::default(),
+            latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0001, 2.0, 18))
+            }),
+            retries: Family::default(),
+            budget_exhausted: Family::default(),
+        }
+    }
+
+    fn labelled(&self, labels: &TcpLabels) -> TcpLabels {
+        let mut labels = labels.clone();
+        labels.cluster = self.cluster.clone();
+        labels
+    }
+
+    pub fn tcp_open(&self, labels: &TcpLabels) {
+        self.tcp_open.get_or_create(&self.labelled(labels)).inc();
+    }
+
+    /// A connection closed after `read` bytes from its client and `written` to it.
+    pub fn tcp_close(&self, labels: &TcpLabels, read: u64, written: u64) {
+        let labels = self.labelled(labels);
+        self.tcp_close.get_or_create(&labels).inc();
+        self.tcp_read_bytes.get_or_create(&labels).inc_by(read);
+        self.tcp_write_bytes.get_or_create(&labels).inc_by(written);
+    }
+
+    pub fn request(&self, labels: &TcpLabels) {
+        self.requests.get_or_create(&self.labelled(labels)).inc();
+    }
+
+    /// A response (or `None`: the request failed) after `seconds`.
+    pub fn response(&self, labels: &TcpLabels, status: Option<http::StatusCode>, seconds: f64) {
+        let peers = self.labelled(labels);
+        let status_class = match status {
+            Some(s) => format!("{}xx", s.as_u16() / 100),
+            None => "error".into(),
+        };
+        self.latency.get_or_create(&peers).observe(seconds);
+        self.responses
+            .get_or_create(&ResponseLabels {
+                peers,
+                status_class,
+            })
+            .inc();
+    }
+
+    pub fn retry(&self, labels: &TcpLabels) {
+        self.retries.get_or_create(&self.labelled(labels)).inc();
+    }
+
+    pub fn budget_exhausted(&self, labels: &TcpLabels) {
+        self.budget_exhausted
+            .get_or_create(&self.labelled(labels))
+            .inc();
+    }
+
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register("tcp_open", "Connections opened", self.tcp_open.clone());
+        registry.register("tcp_close", "Connections closed", self.tcp_close.clone());
+        registry.register(
+            "tcp_read_bytes",
+            "Bytes read from the connection's client",
+            self.tcp_read_bytes.clone(),
+        );
+        registry.register(
+            "tcp_write_bytes",
+            "Bytes written to the connection's client",
+            self.tcp_write_bytes.clone(),
+        );
+        registry.register("request", "HTTP requests", self.requests.clone());
+        registry.register(
+            "response",
+            "HTTP responses by status class",
+            self.responses.clone(),
+        );
+        registry.register(
+            "response_latency_seconds",
+            "Time from request to response headers",
+            self.latency.clone(),
+        );
+        registry.register(
+            "retries",
+            "Requests sent again after a retryable failure",
+            self.retries.clone(),
+        );
+        registry.register(
+            "retry_budget_exhausted",
+            "Retryable failures not retried because the retry budget was spent",
+            self.budget_exhausted.clone(),
+        );
+    }
+}

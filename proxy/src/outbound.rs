@@ -1,0 +1,616 @@
+//! The outbound side (port 4140): an HTTP proxy for the pods on this node
+//! (`http_proxy=$(NODE_IP):4140`). Absolute-form HTTP/1 requests are balanced
+//! per request over the destination's endpoints; `CONNECT host:port` carries
+//! any TCP protocol to one endpoint. Either way the bytes travel to the node
+//! proxy of the chosen endpoint over mutual TLS, where the calling pod's
+//! identity meets the called pod's ([`crate::identity`]).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::client::ManagedIdentity;
+use strait_mesh::identity::protocol::PodRef;
+use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::client::TlsStream;
+
+use crate::Drain;
+use crate::balance::Balancer;
+use crate::identity::{PodIdentities, server_name_for};
+use crate::inbound::LocalPods;
+use crate::metrics::{ProxyMetrics, TcpLabels};
+use crate::retry::{BudgetConfig, RetryBudget};
+
+/// One place a destination can be reached: a pod, the node proxy in front of
+/// it, and the identity it runs as.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    pub node_proxy: SocketAddr,
+    pub identity: SpiffeId,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{0} is not a known service: use <service>.<namespace>[.svc.<cluster-domain>]")]
+    UnknownHost(String),
+    #[error("service {0} has no ready endpoints")]
+    NoEndpoints(String),
+}
+
+/// What the outbound side needs from discovery.
+pub trait Destinations: LocalPods {
+    /// The ready endpoints of `host:port` (a service name or a ClusterIP).
+    fn resolve(&self, host: &str, port: u16) -> Result<Vec<Endpoint>, ResolveError>;
+    /// The endpoint behind one pod address (to reconnect a pooled connection).
+    fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TunnelError {
+    #[error(
+        "connecting to node proxy {node}: {source}; is strait-proxy running there and port 4143 open?"
+    )]
+    Connect {
+        node: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("mutual TLS with node proxy {node} for {identity}: {source}")]
+    Tls {
+        node: SocketAddr,
+        identity: SpiffeId,
+        source: std::io::Error,
+    },
+    #[error("node proxy {node} refused {target}: {} ({message})", status.reason())]
+    Refused {
+        node: SocketAddr,
+        target: SocketAddr,
+        status: ResponseStatus,
+        message: String,
+    },
+    #[error("tunnel to {node}: {0}", node = .1)]
+    Protocol(String, SocketAddr),
+    #[error("no TLS configuration: {0}")]
+    Config(String),
+}
+
+impl TunnelError {
+    /// Whether another endpoint may be tried (no byte reached the target).
+    pub fn retryable(&self) -> bool {
+        match self {
+            TunnelError::Connect { .. } | TunnelError::Tls { .. } => true,
+            TunnelError::Refused { status, .. } => status.retryable(),
+            _ => false,
+        }
+    }
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Opens a tunnel to `endpoint` as `source`: TCP to its node proxy, mutual
+/// TLS (we present `source`, the server must be `endpoint.identity`), the
+/// header, and the peer's answer. Returns the stream ready for app bytes.
+pub async fn open_tunnel(
+    config: Arc<rustls::ClientConfig>,
+    endpoint: &Endpoint,
+    protocol: Protocol,
+) -> Result<TlsStream<TcpStream>, TunnelError> {
+    let node = endpoint.node_proxy;
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(node))
+        .await
+        .map_err(|_| TunnelError::Connect {
+            node,
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+        })?
+        .map_err(|source| TunnelError::Connect { node, source })?;
+    let _ = tcp.set_nodelay(true);
+    let mut tls = tokio_rustls::TlsConnector::from(config)
+        .connect(server_name_for(&endpoint.identity), tcp)
+        .await
+        .map_err(|source| TunnelError::Tls {
+            node,
+            identity: endpoint.identity.clone(),
+            source,
+        })?;
+    let target =
+        Target::pod(endpoint.addr).map_err(|e| TunnelError::Protocol(e.to_string(), node))?;
+    TunnelHeader::new(target, protocol)
+        .write_to(&mut tls)
+        .await
+        .map_err(|e| TunnelError::Protocol(format!("sending the header: {e}"), node))?;
+    let answer = TunnelResponse::read_from(&mut tls, RESPONSE_TIMEOUT)
+        .await
+        .map_err(|e| TunnelError::Protocol(format!("reading the answer: {e}"), node))?;
+    if !answer.is_ok() {
+        return Err(TunnelError::Refused {
+            node,
+            target: endpoint.addr,
+            status: answer.status,
+            message: answer.message,
+        });
+    }
+    Ok(tls)
+}
+
+/// Client configs by (source, destination), built once: building one
+/// validates the trust anchors, too slow to do per connection.
+#[derive(Default)]
+struct ConfigCache(Mutex<HashMap<(SpiffeId, SpiffeId), Arc<rustls::ClientConfig>>>);
+
+impl ConfigCache {
+    fn get(
+        &self,
+        identities: &PodIdentities,
+        source: &ManagedIdentity,
+        destination: &SpiffeId,
+    ) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+        let key = (source.id(), destination.clone());
+        if let Some(found) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(found.clone());
+        }
+        let config = identities
+            .client_config(source, destination.clone())
+            .map_err(|e| TunnelError::Config(e.to_string()))?;
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, config.clone());
+        Ok(config)
+    }
+}
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+pub struct Outbound {
+    pub node: String,
+    pub identities: Arc<PodIdentities>,
+    pub destinations: Arc<dyn Destinations>,
+    pub metrics: ProxyMetrics,
+    pub balancer: Balancer,
+    configs: ConfigCache,
+    /// One pooling HTTP client per calling identity.
+    clients: Mutex<HashMap<SpiffeId, Client<TunnelConnector, Body>>>,
+    /// One retry budget per destination (`host:port` as the caller named it).
+    budgets: Mutex<HashMap<String, Arc<RetryBudget>>>,
+}
+
+/// Everything known about the pod that opened a connection to us.
+#[derive(Clone)]
+struct Caller {
+    identity: Arc<ManagedIdentity>,
+}
+
+fn text(status: StatusCode, message: String) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(http::header::CONTENT_TYPE, "text/plain")
+        .header("strait-proxy-error", message.replace(['\r', '\n'], " "))
+        .body(
+            Full::new(Bytes::from(message + "\n"))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("static response parts are valid")
+}
+
+impl Outbound {
+    pub fn new(
+        node: &str,
+        identities: Arc<PodIdentities>,
+        destinations: Arc<dyn Destinations>,
+        metrics: ProxyMetrics,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            node: node.to_string(),
+            identities,
+            destinations,
+            metrics,
+            balancer: Balancer::default(),
+            configs: ConfigCache::default(),
+            clients: Mutex::new(HashMap::new()),
+            budgets: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Serves the node's pods until the drain starts.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+        crate::serve_connections(listener, drain, "outbound", move |stream, peer| {
+            self.clone().handle(stream, peer)
+        })
+        .await
+    }
+
+    async fn handle(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+        let caller = self.caller(peer.ip()).await;
+        let this = self.clone();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (this, caller) = (this.clone(), caller.clone());
+            async move {
+                let response = match caller {
+                    Ok(caller) => this.route(req, caller).await,
+                    Err(message) => text(StatusCode::FORBIDDEN, message),
+                };
+                Ok::<_, Infallible>(response)
+            }
+        });
+        let served = hyper::server::conn::http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades()
+            .await;
+        if let Err(e) = served {
+            tracing::debug!(%peer, "outbound connection: {e}");
+        }
+    }
+
+    /// The calling pod, which must run on this node, and its identity.
+    async fn caller(&self, ip: IpAddr) -> Result<Caller, String> {
+        let pod = self.destinations.local_pod(ip).ok_or_else(|| {
+            format!(
+                "{ip} is not a pod on node {}: the node proxy serves only this node's pods",
+                self.node
+            )
+        })?;
+        let pod_ref = PodRef {
+            namespace: pod.namespace.clone(),
+            name: pod.name.clone(),
+        };
+        let identity = self
+            .identities
+            .for_pod(&pod_ref, &pod.service_account)
+            .await
+            .map_err(|e| format!("no identity for pod {}/{}: {e}", pod.namespace, pod.name))?;
+        Ok(Caller { identity })
+    }
+
+    async fn route(&self, req: Request<Incoming>, caller: Caller) -> Response<Body> {
+        let target = if req.method() == http::Method::CONNECT {
+            req.uri().authority().cloned()
+        } else {
+            req.uri().authority().cloned().or_else(|| {
+                req.headers()
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .and_then(|h| h.parse().ok())
+            })
+        };
+        let Some(authority) = target else {
+            return text(
+                StatusCode::BAD_REQUEST,
+                "no destination: send absolute-form requests (http_proxy) or CONNECT host:port"
+                    .into(),
+            );
+        };
+        let default_port = if req.method() == http::Method::CONNECT {
+            443
+        } else {
+            80
+        };
+        let port = authority.port_u16().unwrap_or(default_port);
+        let endpoints = match self.destinations.resolve(authority.host(), port) {
+            Ok(e) => e,
+            Err(e @ ResolveError::UnknownHost(_)) => {
+                return text(StatusCode::NOT_FOUND, e.to_string());
+            }
+            Err(e) => return text(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        if req.method() == http::Method::CONNECT {
+            self.connect(req, caller, endpoints).await
+        } else {
+            let destination = format!("{}:{port}", authority.host());
+            self.forward(req, caller, endpoints, &destination).await
+        }
+    }
+
+    /// CONNECT: open the tunnel first (so failures are a 502, not a reset),
+    /// then answer 200 and splice.
+    async fn connect(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        endpoints: Vec<Endpoint>,
+    ) -> Response<Body> {
+        let mut last_error = None;
+        for endpoint in self.balancer.order(&endpoints) {
+            let config =
+                match self
+                    .configs
+                    .get(&self.identities, &caller.identity, &endpoint.identity)
+                {
+                    Ok(c) => c,
+                    Err(e) => return text(StatusCode::BAD_GATEWAY, e.to_string()),
+                };
+            match open_tunnel(config, &endpoint, Protocol::Opaque).await {
+                Ok(mut tunnel) => {
+                    let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+                    let metrics = self.metrics.clone();
+                    tokio::spawn(async move {
+                        let Ok(upgraded) = hyper::upgrade::on(req).await else {
+                            return;
+                        };
+                        metrics.tcp_open(&labels);
+                        let mut client = TokioIo::new(upgraded);
+                        let (read, written) =
+                            tokio::io::copy_bidirectional(&mut client, &mut tunnel)
+                                .await
+                                .unwrap_or((0, 0));
+                        metrics.tcp_close(&labels, read, written);
+                    });
+                    return Response::new(
+                        http_body_util::Empty::new()
+                            .map_err(|never| match never {})
+                            .boxed(),
+                    );
+                }
+                Err(e) if e.retryable() => {
+                    tracing::debug!(endpoint = %endpoint.addr, "CONNECT: {e}; trying another endpoint");
+                    last_error = Some(e);
+                }
+                Err(e) => return text(status_for(&e), e.to_string()),
+            }
+        }
+        let e = last_error.map_or("no endpoint".to_string(), |e| e.to_string());
+        text(StatusCode::BAD_GATEWAY, e)
+    }
+
+    /// An absolute-form HTTP/1 request: pick an endpoint for this request and
+    /// send it over a pooled tunnel to that pod. A retryable failure (the
+    /// request never reached a pod, or a bodiless idempotent request answered
+    /// 502/503/504) is sent again to another endpoint while the destination's
+    /// retry budget allows.
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        endpoints: Vec<Endpoint>,
+        destination: &str,
+    ) -> Response<Body> {
+        let client = self.client_for(&caller);
+        let (mut parts, body) = req.into_parts();
+        for hop in ["proxy-connection", "proxy-authorization"] {
+            parts.headers.remove(hop);
+        }
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        // Only a request without a body can be sent twice (nothing to buffer).
+        let replayable = hyper::body::Body::is_end_stream(&body) && is_idempotent(&parts.method);
+        let mut body = Some(body.boxed());
+        let budget = self.budget_for(destination);
+        budget.deposit(Instant::now());
+        let mut tried: Vec<SocketAddr> = Vec::new();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let candidates: Vec<Endpoint> = endpoints
+                .iter()
+                .filter(|e| !tried.contains(&e.addr))
+                .cloned()
+                .collect();
+            let Some(endpoint) = self.balancer.pick(if candidates.is_empty() {
+                &endpoints
+            } else {
+                &candidates
+            }) else {
+                return text(StatusCode::SERVICE_UNAVAILABLE, "no ready endpoint".into());
+            };
+            tried.push(endpoint.addr);
+            let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+            // The pool is keyed by the pod's address: kept-alive tunnels per pod.
+            let uri = match Uri::builder()
+                .scheme("http")
+                .authority(endpoint.addr.to_string())
+                .path_and_query(path.as_str())
+                .build()
+            {
+                Ok(u) => u,
+                Err(e) => return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}")),
+            };
+            let mut request = Request::new(body.take().unwrap_or_else(empty_body));
+            *request.method_mut() = parts.method.clone();
+            *request.uri_mut() = uri;
+            *request.version_mut() = parts.version;
+            *request.headers_mut() = parts.headers.clone();
+            self.metrics.request(&labels);
+            let started = Instant::now();
+            let guard = self.balancer.start(&endpoint);
+            let result = client.request(request).await;
+            let elapsed = started.elapsed();
+            let retryable = match &result {
+                Ok(r) => replayable && RETRYABLE_STATUSES.contains(&r.status()),
+                // Never sent (no tunnel): safe to send elsewhere.
+                Err(e) => e.is_connect() && replayable,
+            };
+            guard.finish(elapsed, !retryable && result.is_ok());
+            self.metrics.response(
+                &labels,
+                result.as_ref().ok().map(|r| r.status()),
+                elapsed.as_secs_f64(),
+            );
+            if retryable && attempt < MAX_ATTEMPTS {
+                if budget.withdraw(Instant::now()) {
+                    self.metrics.retry(&labels);
+                    tracing::debug!(endpoint = %endpoint.addr, attempt, "retrying on another endpoint");
+                    continue;
+                }
+                self.metrics.budget_exhausted(&labels);
+            }
+            return match result {
+                Ok(response) => response.map(|b| b.boxed()),
+                Err(e) => {
+                    let why = std::error::Error::source(&e)
+                        .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
+                    text(
+                        StatusCode::BAD_GATEWAY,
+                        format!("to {}: {why}", endpoint.addr),
+                    )
+                }
+            };
+        }
+    }
+
+    fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
+        let mut budgets = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        budgets
+            .entry(destination.to_string())
+            .or_insert_with(|| Arc::new(RetryBudget::new(BudgetConfig::default())))
+            .clone()
+    }
+
+    fn client_for(&self, caller: &Caller) -> Client<TunnelConnector, Body> {
+        let id = caller.identity.id();
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        clients
+            .entry(id)
+            .or_insert_with(|| {
+                let connector = TunnelConnector {
+                    source: caller.identity.clone(),
+                    identities: self.identities.clone(),
+                    destinations: self.destinations.clone(),
+                    configs: Arc::new(ConfigCache::default()),
+                };
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(90))
+                    .pool_max_idle_per_host(64)
+                    .build(connector)
+            })
+            .clone()
+    }
+}
+
+/// Attempts per request, the first included.
+const MAX_ATTEMPTS: u32 = 3;
+/// Answers that mean "this endpoint could not serve it; another may".
+const RETRYABLE_STATUSES: [StatusCode; 3] = [
+    StatusCode::BAD_GATEWAY,
+    StatusCode::SERVICE_UNAVAILABLE,
+    StatusCode::GATEWAY_TIMEOUT,
+];
+
+fn is_idempotent(method: &http::Method) -> bool {
+    use http::Method;
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::PUT,
+        Method::DELETE,
+        Method::TRACE,
+    ]
+    .contains(method)
+}
+
+fn empty_body() -> Body {
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn status_for(e: &TunnelError) -> StatusCode {
+    match e {
+        TunnelError::Refused {
+            status: ResponseStatus::Denied,
+            ..
+        } => StatusCode::FORBIDDEN,
+        _ => StatusCode::BAD_GATEWAY,
+    }
+}
+
+/// Connects the pooling HTTP client to a pod: the URI's authority is the pod's
+/// address; the connection is a tunnel to the pod's node proxy.
+#[derive(Clone)]
+struct TunnelConnector {
+    source: Arc<ManagedIdentity>,
+    identities: Arc<PodIdentities>,
+    destinations: Arc<dyn Destinations>,
+    configs: Arc<ConfigCache>,
+}
+
+impl tower_service::Service<Uri> for TunnelConnector {
+    type Response = TunnelIo;
+    type Error = TunnelError;
+    type Future = Pin<Box<dyn Future<Output = Result<TunnelIo, TunnelError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let addr: SocketAddr = uri
+                .authority()
+                .and_then(|a| a.as_str().parse().ok())
+                .ok_or_else(|| {
+                    TunnelError::Protocol(
+                        format!("not a pod address: {uri}"),
+                        "0.0.0.0:0".parse().expect("valid"),
+                    )
+                })?;
+            let endpoint =
+                this.destinations
+                    .endpoint(addr)
+                    .ok_or_else(|| TunnelError::Refused {
+                        node: addr,
+                        target: addr,
+                        status: ResponseStatus::NotFound,
+                        message: "the pod is gone".into(),
+                    })?;
+            let config = this
+                .configs
+                .get(&this.identities, &this.source, &endpoint.identity)?;
+            let tls = open_tunnel(config, &endpoint, Protocol::Http1).await?;
+            Ok(TunnelIo(TokioIo::new(tls)))
+        })
+    }
+}
+
+/// A tunnel as the pooling client sees it.
+pub struct TunnelIo(TokioIo<TlsStream<TcpStream>>);
+
+impl Connection for TunnelIo {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+impl hyper::rt::Read for TunnelIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for TunnelIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
