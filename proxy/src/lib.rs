@@ -160,11 +160,7 @@ impl inbound::LocalPods for MeshView {
 }
 
 impl outbound::Destinations for MeshView {
-    fn resolve(
-        &self,
-        host: &str,
-        port: u16,
-    ) -> Result<Vec<outbound::Endpoint>, outbound::ResolveError> {
+    fn resolve(&self, host: &str, port: u16) -> Result<outbound::Resolved, outbound::ResolveError> {
         let destination = match host.parse::<std::net::IpAddr>() {
             Ok(ip) => self
                 .discovery
@@ -193,7 +189,10 @@ impl outbound::Destinations for MeshView {
                 "{host}:{port}"
             )));
         }
-        Ok(endpoints)
+        Ok(outbound::Resolved {
+            endpoints,
+            timeout: destination.timeout,
+        })
     }
 
     fn endpoint(&self, addr: std::net::SocketAddr) -> Option<outbound::Endpoint> {

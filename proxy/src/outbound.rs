@@ -51,10 +51,18 @@ pub enum ResolveError {
     NoEndpoints(String),
 }
 
+/// A destination as the outbound side uses it.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub endpoints: Vec<Endpoint>,
+    /// The whole request's deadline, retries included (`strait.dev/timeout`).
+    pub timeout: Option<Duration>,
+}
+
 /// What the outbound side needs from discovery.
 pub trait Destinations: LocalPods {
     /// The ready endpoints of `host:port` (a service name or a ClusterIP).
-    fn resolve(&self, host: &str, port: u16) -> Result<Vec<Endpoint>, ResolveError>;
+    fn resolve(&self, host: &str, port: u16) -> Result<Resolved, ResolveError>;
     /// The endpoint behind one pod address (to reconnect a pooled connection).
     fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint>;
 }
@@ -300,18 +308,30 @@ impl Outbound {
             80
         };
         let port = authority.port_u16().unwrap_or(default_port);
-        let endpoints = match self.destinations.resolve(authority.host(), port) {
-            Ok(e) => e,
+        let resolved = match self.destinations.resolve(authority.host(), port) {
+            Ok(r) => r,
             Err(e @ ResolveError::UnknownHost(_)) => {
                 return text(StatusCode::NOT_FOUND, e.to_string());
             }
             Err(e) => return text(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         if req.method() == http::Method::CONNECT {
-            self.connect(req, caller, endpoints).await
+            self.connect(req, caller, resolved.endpoints).await
         } else {
             let destination = format!("{}:{port}", authority.host());
-            self.forward(req, caller, endpoints, &destination).await
+            let forward = self.forward(req, caller, resolved.endpoints, &destination);
+            match resolved.timeout {
+                None => forward.await,
+                Some(limit) => match tokio::time::timeout(limit, forward).await {
+                    Ok(response) => response,
+                    Err(_) => text(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!(
+                            "{destination} did not answer within its timeout of {limit:?} (strait.dev/timeout)"
+                        ),
+                    ),
+                },
+            }
         }
     }
 

@@ -166,8 +166,13 @@ async fn backend(mesh: &mut Mesh, node: usize, name: &str, app: &str, extra: &[&
 }
 
 async fn service(client: &Client, name: &str) {
+    let annotations = if name == "sleepy" {
+        json!({"strait.dev/timeout": "200ms"})
+    } else {
+        json!({})
+    };
     let svc: Service = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "shop"},
+        "metadata": {"name": name, "namespace": "shop", "annotations": annotations},
         "spec": {"selector": {"app": name}, "ports": [
             {"name": "http", "port": 80, "targetPort": "http"},
             {"name": "echo", "port": 9000, "targetPort": "echo"},
@@ -250,13 +255,14 @@ async fn mesh() -> Option<Mesh> {
     backend(&mut mesh, 2, "flaky-2", "flaky", &[]).await;
     backend(&mut mesh, 1, "broken-1", "broken", &["--status=503"]).await;
     backend(&mut mesh, 2, "broken-2", "broken", &["--status=503"]).await;
+    backend(&mut mesh, 1, "sleepy-1", "sleepy", &["--delay=3s"]).await;
     let client_pod = mesh
         .topology
         .add_pod(0, "shop", "client", |p| p.with_service_account("client"))
         .await
         .unwrap();
     mesh.pods.insert("client".into(), (client_pod, None));
-    for name in ["web", "slow", "flaky", "broken"] {
+    for name in ["web", "slow", "flaky", "broken", "sleepy"] {
         service(&client, name).await;
     }
     Some(mesh)
@@ -303,11 +309,24 @@ async fn a_pod_calls_a_service_on_other_nodes_through_the_node_proxies_over_mtls
     })
     .await;
     assert!(first.starts_with("web-"), "{first}");
+    // Ten at a time (a sequential client would rightly stick to the faster pod):
+    // requests in flight count as load, so both pods get a share.
+    let urls: Vec<String> = (0..60).map(|i| format!("{url}/{i}")).collect();
+    let mut args = vec!["--parallel", "--parallel-immediate", "--parallel-max", "10"];
+    args.extend(urls.iter().map(String::as_str));
+    let out = curl(&mesh, &args);
     let mut seen = BTreeMap::new();
-    for _ in 0..30 {
-        let by = answered_by(&curl(&mesh, &[url])).unwrap();
-        *seen.entry(by).or_insert(0) += 1;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("one JSON answer per line");
+        *seen
+            .entry(v["pod"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
     }
+    assert_eq!(
+        seen.values().sum::<i32>(),
+        60,
+        "every request answered: {seen:?}"
+    );
     assert_eq!(
         seen.keys().cloned().collect::<Vec<_>>(),
         vec!["web-1".to_string(), "web-2".to_string()],
@@ -366,6 +385,15 @@ async fn a_pod_calls_a_service_on_other_nodes_through_the_node_proxies_over_mtls
     assert!(metric_sum(&metrics, "request_total", &["dst_workload=\"web\""]) >= 60.0);
     assert!(metric_sum(&metrics, "response_total", &["status_class=\"2xx\""]) >= 60.0);
     assert!(metric_sum(&metrics, "tcp_open_total", &["direction=\"outbound\""]) >= 2.0);
+
+    // A Service's timeout (strait.dev/timeout: 200ms) cuts a 3 s answer short.
+    let started = std::time::Instant::now();
+    assert_eq!(curl_status(&mesh, "http://sleepy.shop/"), 504);
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "the timeout did not apply: {:?}",
+        started.elapsed()
+    );
 
     // Everything failing (both broken pods answer 503): the budget stops the storm.
     let before = proxy_metrics(&node1).await;

@@ -17,7 +17,9 @@ use strait_mesh::link::{
 use super::model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
-use super::names::{OPAQUE_PORTS_ANNOTATION, PortSet, parse_service_host};
+use super::names::{
+    OPAQUE_PORTS_ANNOTATION, PortSet, TIMEOUT_ANNOTATION, parse_service_host, parse_timeout,
+};
 
 /// The label tying an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -128,6 +130,16 @@ impl Snapshot {
                 .unwrap_or_default();
             let mirror = mirror_info(svc);
             let opaque = annotation_ports(svc.annotations());
+            let timeout = svc
+                .annotations()
+                .get(TIMEOUT_ANNOTATION)
+                .and_then(|v| match parse_timeout(v) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(service = %format!("{ns}/{name}"), "{e}; no timeout applies");
+                        None
+                    }
+                });
             let cluster_ips: Vec<IpAddr> = spec
                 .cluster_ips
                 .iter()
@@ -157,6 +169,7 @@ impl Snapshot {
                     mirror: mirror.clone(),
                     opaque: opaque.contains(port),
                     endpoints: endpoints.into(),
+                    timeout,
                 });
                 for ip in &cluster_ips {
                     by_addr.insert(SocketAddr::new(*ip, port), dest.clone());
@@ -200,6 +213,7 @@ impl Snapshot {
             mirror: None,
             opaque: pod.opaque_ports.contains(addr.port()),
             endpoints: endpoints.into(),
+            timeout: None,
         }))
     }
 

@@ -44,6 +44,8 @@ pub struct Destination {
     pub opaque: bool,
     /// Ready endpoints only; empty when none is ready (the caller fails fast).
     pub endpoints: Arc<[Endpoint]>,
+    /// `strait.dev/timeout` of the Service: the whole request, retries included.
+    pub timeout: Option<std::time::Duration>,
 }
 
 /// A pod by namespace and name.

@@ -45,6 +45,23 @@ fn is_dns_label(s: &str) -> bool {
 /// parts are skipped (an annotation typo must not break discovery).
 pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
 
+/// Service annotation: the longest an HTTP request to it may take, retries
+/// included (e.g. `2s`, `500ms`); past it the caller gets a 504.
+pub const TIMEOUT_ANNOTATION: &str = "strait.dev/timeout";
+
+/// Parses a [`TIMEOUT_ANNOTATION`] value; the error says what is wrong.
+pub fn parse_timeout(value: &str) -> Result<std::time::Duration, String> {
+    match humantime::parse_duration(value.trim()) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err(format!(
+            "{TIMEOUT_ANNOTATION}: {value:?} is zero; give a duration like \"2s\" or remove it"
+        )),
+        Err(e) => Err(format!(
+            "{TIMEOUT_ANNOTATION}: {value:?} is not a duration ({e}); write it like \"2s\" or \"500ms\""
+        )),
+    }
+}
+
 /// Port ranges, inclusive. Kept as ranges so `0-65535` costs nothing.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PortSet(Vec<(u16, u16)>);
@@ -77,6 +94,21 @@ impl PortSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_timeout("2s"), Ok(std::time::Duration::from_secs(2)));
+        assert_eq!(
+            parse_timeout(" 250ms "),
+            Ok(std::time::Duration::from_millis(250))
+        );
+        assert!(parse_timeout("0s").unwrap_err().contains("zero"));
+        assert!(
+            parse_timeout("soon")
+                .unwrap_err()
+                .contains("not a duration")
+        );
+    }
 
     fn parsed(host: &str) -> Option<(String, String)> {
         parse_service_host(host, "cluster.local")
