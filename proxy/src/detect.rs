@@ -28,7 +28,7 @@
 //! (MySQL, SMTP) sends nothing until the server greets it, so silence means
 //! opaque, as in Linkerd. That costs such a connection the whole timeout, which
 //! is why those ports are configured as opaque and skip detection entirely
-//! (annotation `strait.dev/opaque-ports`, next). The bytes
+//! ([`skip_detection`], annotation `strait.dev/opaque-ports`). The bytes
 //! detection consumed are returned, and [`PrefixedIo`] replays them in front of
 //! the stream, so whatever comes next sees the connection unchanged.
 //!
@@ -38,11 +38,16 @@
 
 mod classify;
 mod io;
+mod opaque_ports;
 
 use std::time::Duration;
 
 pub use classify::{Detection, H2_PREFACE, MAX_DETECT_BYTES, MAX_METHOD_LEN, classify};
 pub use io::{PrefixedIo, detect};
+pub use opaque_ports::{
+    DEFAULT_OPAQUE_PORTS, EntryProblem, OPAQUE_PORTS_ANNOTATION, OpaqueDecision, OpaquePorts,
+    OpaquePortsError, PortsSource, skip_detection,
+};
 /// The protocols detection tells apart; the same hint the tunnel header
 /// carries to the next hop, so the receiver need not detect again.
 pub use strait_mesh::tunnel::Protocol;
