@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod balance;
+pub mod detect;
 pub mod discovery;
 pub mod identity;
 pub mod inbound;
