@@ -86,7 +86,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(watches);
     discovery.synced().await?;
     tracing::info!("discovery synced");
-    let view = Arc::new(MeshView::new(discovery));
+    let view = Arc::new(MeshView::new(discovery.clone()));
 
     let (drain, start_drain) = Drain::new();
     let outbound_listener = tokio::net::TcpListener::bind(args.outbound_addr)
@@ -101,6 +101,14 @@ async fn main() -> anyhow::Result<()> {
         view.clone(),
         metrics.clone(),
     );
+    // Latency statistics of endpoints that are gone are forgotten (bounded memory).
+    let (balancer, mut updates) = (outbound.balancer.clone(), discovery.updates());
+    tokio::spawn(async move {
+        while updates.changed().await.is_ok() {
+            let snapshot = updates.borrow_and_update().clone();
+            balancer.retain(|addr| snapshot.pod(addr.ip()).is_some());
+        }
+    });
     let inbound = Arc::new(Inbound {
         node: args.node_name.clone(),
         identities,

@@ -6,301 +6,26 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::process::Output;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Service};
-use kube::api::PostParams;
-use kube::{Api, Client};
-use serde_json::json;
 use strait_mesh::identity::SpiffeId;
-use strait_mesh::identity::ca::{self, PemPair};
-use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
 use strait_mesh::identity::tls::{CertSlot, TrustBundle};
 use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse};
 use strait_proxy::identity::{TUNNEL_ALPN, server_name_for};
-use strait_testenv::issuer::{self, RunningIssuer, token, workload_token};
-use strait_testenv::net::root_or_skip;
-use strait_testenv::process::{ChildProcess, log_tail};
+use strait_testenv::NetNode;
+use strait_testenv::issuer::workload_token;
 use strait_testenv::wait::eventually;
-use strait_testenv::{ClusterTopology, NetNode, NetPod, kubeconfig, workspace_binary};
 
-const DAY: Duration = Duration::from_secs(24 * 3600);
-const WAIT: Duration = Duration::from_secs(30);
-const TRUST_DOMAIN: &str = "cluster.local";
+mod common;
 
-struct Mesh {
-    topology: ClusterTopology,
-    issuer: RunningIssuer,
-    anchor: PemPair,
-    proxies: Vec<ChildProcess>,
-    pods: BTreeMap<String, (NetPod, Option<ChildProcess>)>,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Mesh {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for p in &self.proxies {
-                eprintln!(
-                    "──── {} ({}) ────\n{}",
-                    p.name(),
-                    p.log_path().display(),
-                    log_tail(p.log_path(), 40)
-                );
-            }
-        }
-    }
-}
-
-/// A Pod object for the proxy on `node` (so its token is bound to a pod on that
-/// node, as a DaemonSet pod's projected token is) and the proxy process.
-async fn start_proxy(mesh: &Mesh, node: &NetNode) -> ChildProcess {
-    let client = mesh.topology.cluster().client();
-    let name = format!("strait-proxy-{}", node.name());
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "strait-system"},
-        "spec": {"nodeName": node.name(), "serviceAccountName": "strait-proxy",
-                 "containers": [{"name": "proxy", "image": "strait-proxy"}]},
-    }))
-    .unwrap();
-    let pod = Api::<Pod>::namespaced(client.clone(), "strait-system")
-        .create(&PostParams::default(), &pod)
-        .await
-        .unwrap();
-    let uid = pod.metadata.uid.clone().unwrap();
-    let identity_token = token(
-        &client,
-        "strait-system",
-        "strait-proxy",
-        &[TOKEN_AUDIENCE],
-        Some((&name, &uid)),
-    )
-    .await;
-    let api_token = token(&client, "strait-system", "strait-proxy", &[], None).await;
-    let dir = mesh.dir.path().join(node.name());
-    std::fs::create_dir_all(&dir).unwrap();
-    let cluster = mesh.topology.cluster();
-    let kc = kubeconfig::with_token(
-        cluster.name(),
-        &cluster.server_url(),
-        cluster.ca_pem(),
-        &api_token,
-    );
-    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
-    std::fs::write(dir.join("token"), identity_token).unwrap();
-    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
-    let s = |p: &Path| p.to_string_lossy().into_owned();
-    let args = vec![
-        format!("--node-name={}", node.name()),
-        "--cluster-name=mesh".to_string(),
-        format!("--trust-domain={TRUST_DOMAIN}"),
-        format!("--issuer-addr={}", mesh.issuer.addr),
-        format!("--issuer-name={}", issuer::ISSUER_DNS),
-        format!("--trust-anchors={}", s(&dir.join("ca.crt"))),
-        format!("--token-file={}", s(&dir.join("token"))),
-        "--drain-timeout=2s".to_string(),
-    ];
-    let kubeconfig_path = dir.join("kubeconfig");
-    node.spawn(
-        &name,
-        Path::new(env!("CARGO_BIN_EXE_strait-proxy")),
-        &args,
-        &[
-            ("KUBECONFIG", kubeconfig_path.as_os_str()),
-            ("RUST_LOG", std::ffi::OsStr::new("strait_proxy=debug,info")),
-        ],
-        &dir.join("proxy.log"),
-    )
-    .unwrap()
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| e.to_string())?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(out)
-}
-
-/// A pod on `node` running strait-backend as SA `web` with label `app`:
-/// HTTP on 8080, echo on 9000, a server-speaks-first banner on 2525, plus `extra` flags.
-async fn backend(mesh: &mut Mesh, node: usize, name: &str, app: &str, extra: &[&str]) {
-    let pod = mesh
-        .topology
-        .add_pod(node, "shop", name, |p| {
-            p.with_label("app", app)
-                .with_service_account("web")
-                .with_port("http", 8080)
-                .with_port("echo", 9000)
-                .with_port("banner", 2525)
-        })
-        .await
-        .unwrap();
-    let ip = pod.ip();
-    let mut args = vec![
-        format!("--name={name}"),
-        format!("--http={ip}:8080"),
-        format!("--echo={ip}:9000"),
-        format!("--banner={ip}:2525"),
-    ];
-    args.extend(extra.iter().map(|a| a.to_string()));
-    let child = pod
-        .spawn(
-            name,
-            &workspace_binary("strait-backend"),
-            &args,
-            &[],
-            &mesh.dir.path().join(format!("{name}.log")),
-        )
-        .unwrap();
-    mesh.pods.insert(name.into(), (pod, Some(child)));
-}
-
-async fn service(client: &Client, name: &str) {
-    let annotations = if name == "sleepy" {
-        json!({"strait.dev/timeout": "200ms"})
-    } else {
-        json!({})
-    };
-    let svc: Service = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "shop", "annotations": annotations},
-        "spec": {"selector": {"app": name}, "ports": [
-            {"name": "http", "port": 80, "targetPort": "http"},
-            {"name": "echo", "port": 9000, "targetPort": "echo"},
-            {"name": "banner", "port": 2525, "targetPort": "banner"}]},
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(client.clone(), "shop")
-        .create(&PostParams::default(), &svc)
-        .await
-        .unwrap();
-}
-
-async fn ensure_sa(client: &Client, ns: &str, sa: &str) {
-    let _ = workload_token(client, ns, sa).await;
-}
-
-async fn mesh() -> Option<Mesh> {
-    if !root_or_skip("proxy node tests") {
-        return None;
-    }
-    let topology = ClusterTopology::start("mesh", 3).await.unwrap();
-    let client = topology.cluster().client();
-    let (anchor, issuer_pair) = ca::new_anchor_and_issuer("mesh", DAY).unwrap();
-    let issuer = issuer::start_issuer_on(
-        &workspace_binary("strait-identity"),
-        topology.cluster(),
-        &issuer_pair,
-        &anchor.cert_pem,
-        TRUST_DOMAIN,
-        "1h",
-        IpAddr::V4(topology.network().host_ip()),
-    )
-    .await;
-    strait_testenv::kubectl_apply(
-        topology.cluster(),
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/proxy/rbac.yaml"),
-    );
-    for sa in ["web", "client"] {
-        ensure_sa(&client, "shop", sa).await;
-    }
-    strait_testenv::workloads::wait_for_service_account(
-        &client,
-        "strait-system",
-        "strait-proxy",
-        WAIT,
-    )
-    .await
-    .unwrap();
-    let mut mesh = Mesh {
-        topology,
-        issuer,
-        anchor,
-        proxies: Vec::new(),
-        pods: BTreeMap::new(),
-        dir: tempfile::tempdir().unwrap(),
-    };
-    let nodes: Vec<NetNode> = mesh.topology.nodes().to_vec();
-    for node in &nodes {
-        let proxy = start_proxy(&mesh, node).await;
-        mesh.proxies.push(proxy);
-    }
-    for node in &nodes {
-        let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
-        eventually(&format!("proxy on {} ready", node.name()), WAIT, || async {
-            let out = http_get(admin, "/ready").await?;
-            if out.starts_with("HTTP/1.1 200") {
-                Ok(())
-            } else {
-                Err(out)
-            }
-        })
-        .await;
-    }
-    // Each service has a pod on node 2 and one on node 3; the caller is on node 1.
-    backend(&mut mesh, 1, "web-1", "web", &[]).await;
-    backend(&mut mesh, 2, "web-2", "web", &[]).await;
-    backend(&mut mesh, 1, "slow-1", "slow", &["--delay=150ms"]).await;
-    backend(&mut mesh, 2, "slow-2", "slow", &[]).await;
-    backend(&mut mesh, 1, "flaky-1", "flaky", &["--status=503"]).await;
-    backend(&mut mesh, 2, "flaky-2", "flaky", &[]).await;
-    backend(&mut mesh, 1, "broken-1", "broken", &["--status=503"]).await;
-    backend(&mut mesh, 2, "broken-2", "broken", &["--status=503"]).await;
-    backend(&mut mesh, 1, "sleepy-1", "sleepy", &["--delay=3s"]).await;
-    let client_pod = mesh
-        .topology
-        .add_pod(0, "shop", "client", |p| p.with_service_account("client"))
-        .await
-        .unwrap();
-    mesh.pods.insert("client".into(), (client_pod, None));
-    for name in ["web", "slow", "flaky", "broken", "sleepy"] {
-        service(&client, name).await;
-    }
-    Some(mesh)
-}
-
-fn pod<'a>(mesh: &'a Mesh, name: &str) -> &'a NetPod {
-    &mesh.pods[name].0
-}
-
-fn curl(mesh: &Mesh, args: &[&str]) -> Output {
-    let client = pod(mesh, "client");
-    let proxy = format!("http://{}:4140", client.node().ip());
-    client
-        .command("curl")
-        .args(["-sS", "--max-time", "5", "-x", &proxy])
-        .args(args)
-        .output()
-        .expect("run curl in the client pod")
-}
-
-/// The JSON answer's pod name (strait-backend answers `{"pod": …}`).
-fn answered_by(out: &Output) -> Result<String, String> {
-    let body = String::from_utf8_lossy(&out.stdout);
-    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
-        format!(
-            "not JSON ({e}): {body} {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })?;
-    v["pod"]
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| format!("no pod in {v}"))
-}
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_calls_a_service_on_other_nodes_through_the_node_proxies_over_mtls() {
-    let Some(mesh) = mesh().await else { return };
+    let Some(mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
+        return;
+    };
     let url = "http://web.shop.svc.cluster.local/hello";
 
     // Absolute-form HTTP/1 (http_proxy): balanced per request over both pods.
@@ -455,28 +180,6 @@ async fn a_pod_calls_a_service_on_other_nodes_through_the_node_proxies_over_mtls
     );
 }
 
-fn curl_status(mesh: &Mesh, url: &str) -> u16 {
-    let out = curl(mesh, &["-o", "/dev/null", "-w", "%{http_code}", url]);
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or(0)
-}
-
-async fn proxy_metrics(node: &NetNode) -> String {
-    http_get(SocketAddr::new(IpAddr::V4(node.ip()), 4191), "/metrics")
-        .await
-        .unwrap()
-}
-
-/// Sum of a metric's samples whose line contains every one of `having`.
-fn metric_sum(text: &str, name: &str, having: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && having.iter().all(|h| l.contains(h)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A client of its own (the test, with the `client` ServiceAccount's identity
 /// from the issuer) talking to a node proxy's inbound port directly.
 async fn inbound_attempt(
@@ -521,7 +224,9 @@ async fn inbound_attempt(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_inbound_side_delivers_only_to_pods_on_its_own_node() {
-    let Some(mesh) = mesh().await else { return };
+    let Some(mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
+        return;
+    };
     let web: SpiffeId = format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/web")
         .parse()
         .unwrap();

@@ -1,0 +1,255 @@
+//! Node proxy benchmark (root; testenv nodes as network namespaces), side by side:
+//! client → server directly, client → strait-proxy → strait-proxy → server
+//! (mTLS between the nodes), and client → haproxy → haproxy → server (TLS with
+//! client certificates between the nodes). Open-loop load at fixed rates with
+//! `strait-load` (100 connections, 1 KiB request bodies); CPU and RSS of the
+//! two proxies of each pair while the load runs.
+//!
+//!     bash scripts/bench-proxy.sh
+//!
+//! (installs haproxy, builds the release binaries, then runs
+//! `cargo bench -p strait-proxy --bench mesh`; `STRAIT_BENCH_RATES=1000,10000`,
+//! `STRAIT_BENCH_SECS=10`.)
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::ca::LeafSigner;
+use strait_testenv::process::{ChildProcess, cpu_seconds, rss_kib};
+use strait_testenv::workspace_binary;
+
+use common::*;
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+struct Run {
+    label: String,
+    report: serde_json::Value,
+    cpu: f64,
+    rss_kib: u64,
+}
+
+/// Runs strait-load in the client pod against `connect` with request target `uri`.
+fn load(
+    mesh: &Mesh,
+    connect: SocketAddr,
+    uri: &str,
+    host: &str,
+    rate: u32,
+    secs: u64,
+) -> serde_json::Value {
+    let client = &mesh.pods["client"].0;
+    let out = client
+        .command(workspace_binary("strait-load"))
+        .args([
+            format!("--connect={connect}"),
+            format!("--uri={uri}"),
+            format!("--host={host}"),
+            format!("--rate={rate}"),
+            "--connections=100".into(),
+            format!("--duration={secs}s"),
+            "--warmup=2s".into(),
+            "--body=1024".into(),
+        ])
+        .output()
+        .expect("run strait-load in the client pod");
+    assert!(
+        out.status.success(),
+        "strait-load: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("strait-load prints JSON")
+}
+
+fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
+    let before: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+    let report = run();
+    let cpu = pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>() - before;
+    Run {
+        label: label.into(),
+        report,
+        cpu,
+        rss_kib: pids.iter().map(|p| rss_kib(*p)).sum(),
+    }
+}
+
+/// haproxy on both nodes: node 1 plain HTTP in, TLS with a client certificate
+/// out; node 2 TLS in (client certificate required), plain to the pod.
+fn start_haproxy(mesh: &Mesh, backend: SocketAddr) -> Vec<ChildProcess> {
+    let dir = mesh.dir.path().join("haproxy");
+    std::fs::create_dir_all(&dir).unwrap();
+    let issuer_pem = mesh.issuer_pair.cert_pem.clone();
+    let signer = LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem).unwrap();
+    let write_leaf = |name: &str, id: &str| {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = signer
+            .sign(
+                &key,
+                &id.parse::<SpiffeId>().unwrap(),
+                Duration::from_secs(3600),
+            )
+            .unwrap();
+        let path = dir.join(format!("{name}.pem"));
+        std::fs::write(
+            &path,
+            format!("{}{}{}", leaf.pem, issuer_pem, key.serialize_pem()),
+        )
+        .unwrap();
+        path
+    };
+    let client_pem = write_leaf(
+        "client",
+        "spiffe://cluster.local/ns/bench/sa/haproxy-client",
+    );
+    let server_pem = write_leaf(
+        "server",
+        "spiffe://cluster.local/ns/bench/sa/haproxy-server",
+    );
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();
+    let nodes = mesh.topology.nodes();
+    let (n1, n2) = (nodes[0].ip(), nodes[1].ip());
+    let common = "global\n  maxconn 20000\n  nbthread 1\ndefaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  http-reuse always\n";
+    let front = format!(
+        "{common}frontend f\n  bind {n1}:4240\n  default_backend b\nbackend b\n  server s {n2}:4243 ssl verify required ca-file {} crt {} alpn http/1.1\n",
+        ca.display(),
+        client_pem.display()
+    );
+    let back = format!(
+        "{common}frontend f\n  bind {n2}:4243 ssl crt {} ca-file {} verify required alpn http/1.1\n  default_backend b\nbackend b\n  server s {backend}\n",
+        server_pem.display(),
+        ca.display()
+    );
+    let mut children = Vec::new();
+    for (i, (node, cfg)) in [(&nodes[0], front), (&nodes[1], back)]
+        .into_iter()
+        .enumerate()
+    {
+        let path = dir.join(format!("haproxy-{i}.cfg"));
+        std::fs::write(&path, cfg).unwrap();
+        children.push(
+            node.spawn(
+                &format!("haproxy-{i}"),
+                Path::new("/usr/sbin/haproxy"),
+                &[
+                    "-db".into(),
+                    "-f".into(),
+                    path.to_string_lossy().into_owned(),
+                ],
+                &[],
+                &dir.join(format!("haproxy-{i}.log")),
+            )
+            .expect("run haproxy (scripts/bench-proxy.sh installs it)"),
+        );
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    children
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if !strait_testenv::net::root_or_skip("proxy benchmark") {
+        return;
+    }
+    let rates: Vec<u32> = env_or("STRAIT_BENCH_RATES", "1000,10000")
+        .split(',')
+        .map(|r| r.trim().parse().unwrap())
+        .collect();
+    let secs: u64 = env_or("STRAIT_BENCH_SECS", "10").parse().unwrap();
+    let mut mesh = start_mesh(2, Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await;
+    backend(&mut mesh, 1, "web-1", "web", &[]).await;
+    add_client(&mut mesh, 0).await;
+    service(&mesh.topology.cluster().client(), "web").await;
+    let server = SocketAddr::new(IpAddr::V4(mesh.pods["web-1"].0.ip()), 8080);
+    let node1 = mesh.topology.nodes()[0].ip();
+    let proxy_pids: Vec<u32> = mesh.proxies.iter().filter_map(|p| p.pid()).collect();
+    // Wait until the mesh path answers (discovery has the new service).
+    let url = "http://web.shop.svc.cluster.local/bench";
+    let _ = load(
+        &mesh,
+        SocketAddr::new(IpAddr::V4(node1), 4140),
+        url,
+        "web.shop",
+        50,
+        3,
+    );
+    let haproxy = start_haproxy(&mesh, server);
+    let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
+
+    let mut runs = Vec::new();
+    for &rate in &rates {
+        runs.push(measured(
+            &format!("direct        {rate:>6} rps"),
+            &[],
+            || load(&mesh, server, "/bench", "web.shop", rate, secs),
+        ));
+        runs.push(measured(
+            &format!("strait-proxy  {rate:>6} rps"),
+            &proxy_pids,
+            || {
+                load(
+                    &mesh,
+                    SocketAddr::new(IpAddr::V4(node1), 4140),
+                    url,
+                    "web.shop",
+                    rate,
+                    secs,
+                )
+            },
+        ));
+        runs.push(measured(
+            &format!("haproxy+TLS   {rate:>6} rps"),
+            &haproxy_pids,
+            || {
+                load(
+                    &mesh,
+                    SocketAddr::new(IpAddr::V4(node1), 4240),
+                    "/bench",
+                    "web.shop",
+                    rate,
+                    secs,
+                )
+            },
+        ));
+    }
+    println!(
+        "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>14} {:>9}",
+        "path", "achieved", "p50 ms", "p99 ms", "p99.9", "max", "errors", "CPU/1k rps", "RSS MiB"
+    );
+    for r in &runs {
+        let rep = &r.report;
+        let achieved = rep["achieved_rps"].as_f64().unwrap_or(0.0);
+        let per_k = if r.cpu > 0.0 && achieved > 0.0 {
+            // The CPU window includes strait-load's 2 s warm-up at the same rate.
+            format!(
+                "{:.3} vCPU",
+                r.cpu / (secs + 2) as f64 / (achieved / 1000.0)
+            )
+        } else {
+            "-".into()
+        };
+        println!(
+            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>14} {:>9.1}",
+            r.label,
+            achieved,
+            rep["p50_ms"].as_f64().unwrap_or(0.0),
+            rep["p99_ms"].as_f64().unwrap_or(0.0),
+            rep["p999_ms"].as_f64().unwrap_or(0.0),
+            rep["max_ms"].as_f64().unwrap_or(0.0),
+            rep["errors"],
+            per_k,
+            r.rss_kib as f64 / 1024.0
+        );
+    }
+    drop(haproxy);
+}

@@ -1,0 +1,334 @@
+//! The node-proxy fixture shared by the tests and the benchmark: a testenv
+//! cluster whose nodes are network namespaces, the real issuer, and a real
+//! `strait-proxy` process on every node.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::process::Output;
+
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::PostParams;
+use kube::{Api, Client};
+use serde_json::json;
+use std::time::Duration;
+use strait_mesh::identity::ca::{self, PemPair};
+use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
+use strait_testenv::issuer::{self, RunningIssuer, token, workload_token};
+use strait_testenv::net::root_or_skip;
+use strait_testenv::process::{ChildProcess, log_tail};
+use strait_testenv::wait::eventually;
+use strait_testenv::{ClusterTopology, NetNode, NetPod, kubeconfig, workspace_binary};
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+pub const WAIT: Duration = Duration::from_secs(30);
+pub const TRUST_DOMAIN: &str = "cluster.local";
+
+pub struct Mesh {
+    pub topology: ClusterTopology,
+    pub issuer: RunningIssuer,
+    pub anchor: PemPair,
+    /// The cluster's issuer (certificate and key), for benchmarks that need
+    /// certificates of their own under the same anchor.
+    pub issuer_pair: PemPair,
+    pub proxies: Vec<ChildProcess>,
+    pub pods: BTreeMap<String, (NetPod, Option<ChildProcess>)>,
+    pub dir: tempfile::TempDir,
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for p in &self.proxies {
+                eprintln!(
+                    "──── {} ({}) ────\n{}",
+                    p.name(),
+                    p.log_path().display(),
+                    log_tail(p.log_path(), 40)
+                );
+            }
+        }
+    }
+}
+
+/// A Pod object for the proxy on `node` (so its token is bound to a pod on that
+/// node, as a DaemonSet pod's projected token is) and the proxy process.
+pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
+    let client = mesh.topology.cluster().client();
+    let name = format!("strait-proxy-{}", node.name());
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "strait-system"},
+        "spec": {"nodeName": node.name(), "serviceAccountName": "strait-proxy",
+                 "containers": [{"name": "proxy", "image": "strait-proxy"}]},
+    }))
+    .unwrap();
+    let pod = Api::<Pod>::namespaced(client.clone(), "strait-system")
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    let uid = pod.metadata.uid.clone().unwrap();
+    let identity_token = token(
+        &client,
+        "strait-system",
+        "strait-proxy",
+        &[TOKEN_AUDIENCE],
+        Some((&name, &uid)),
+    )
+    .await;
+    let api_token = token(&client, "strait-system", "strait-proxy", &[], None).await;
+    let dir = mesh.dir.path().join(node.name());
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = mesh.topology.cluster();
+    let kc = kubeconfig::with_token(
+        cluster.name(),
+        &cluster.server_url(),
+        cluster.ca_pem(),
+        &api_token,
+    );
+    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
+    std::fs::write(dir.join("token"), identity_token).unwrap();
+    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let args = vec![
+        format!("--node-name={}", node.name()),
+        "--cluster-name=mesh".to_string(),
+        format!("--trust-domain={TRUST_DOMAIN}"),
+        format!("--issuer-addr={}", mesh.issuer.addr),
+        format!("--issuer-name={}", issuer::ISSUER_DNS),
+        format!("--trust-anchors={}", s(&dir.join("ca.crt"))),
+        format!("--token-file={}", s(&dir.join("token"))),
+        "--drain-timeout=2s".to_string(),
+    ];
+    let kubeconfig_path = dir.join("kubeconfig");
+    node.spawn(
+        &name,
+        binary,
+        &args,
+        &[
+            ("KUBECONFIG", kubeconfig_path.as_os_str()),
+            ("RUST_LOG", std::ffi::OsStr::new("strait_proxy=debug,info")),
+        ],
+        &dir.join("proxy.log"),
+    )
+    .unwrap()
+}
+
+pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// A pod on `node` running strait-backend as SA `web` with label `app`:
+/// HTTP on 8080, echo on 9000, a server-speaks-first banner on 2525, plus `extra` flags.
+pub async fn backend(mesh: &mut Mesh, node: usize, name: &str, app: &str, extra: &[&str]) {
+    let pod = mesh
+        .topology
+        .add_pod(node, "shop", name, |p| {
+            p.with_label("app", app)
+                .with_service_account("web")
+                .with_port("http", 8080)
+                .with_port("echo", 9000)
+                .with_port("banner", 2525)
+        })
+        .await
+        .unwrap();
+    let ip = pod.ip();
+    let mut args = vec![
+        format!("--name={name}"),
+        format!("--http={ip}:8080"),
+        format!("--echo={ip}:9000"),
+        format!("--banner={ip}:2525"),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let child = pod
+        .spawn(
+            name,
+            &workspace_binary("strait-backend"),
+            &args,
+            &[],
+            &mesh.dir.path().join(format!("{name}.log")),
+        )
+        .unwrap();
+    mesh.pods.insert(name.into(), (pod, Some(child)));
+}
+
+pub async fn service(client: &Client, name: &str) {
+    let annotations = if name == "sleepy" {
+        json!({"strait.dev/timeout": "200ms"})
+    } else {
+        json!({})
+    };
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "shop", "annotations": annotations},
+        "spec": {"selector": {"app": name}, "ports": [
+            {"name": "http", "port": 80, "targetPort": "http"},
+            {"name": "echo", "port": 9000, "targetPort": "echo"},
+            {"name": "banner", "port": 2525, "targetPort": "banner"}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), "shop")
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+}
+
+pub async fn ensure_sa(client: &Client, ns: &str, sa: &str) {
+    let _ = workload_token(client, ns, sa).await;
+}
+
+/// A cluster of `nodes` network-namespace nodes, the issuer, and a node proxy
+/// (`proxy` binary) ready on every node; no workloads yet.
+pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
+    let topology = ClusterTopology::start("mesh", nodes).await.unwrap();
+    let client = topology.cluster().client();
+    let (anchor, issuer_pair) = ca::new_anchor_and_issuer("mesh", DAY).unwrap();
+    let issuer = issuer::start_issuer_on(
+        &workspace_binary("strait-identity"),
+        topology.cluster(),
+        &issuer_pair,
+        &anchor.cert_pem,
+        TRUST_DOMAIN,
+        "1h",
+        IpAddr::V4(topology.network().host_ip()),
+    )
+    .await;
+    strait_testenv::kubectl_apply(
+        topology.cluster(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/proxy/rbac.yaml"),
+    );
+    for sa in ["web", "client"] {
+        ensure_sa(&client, "shop", sa).await;
+    }
+    strait_testenv::workloads::wait_for_service_account(
+        &client,
+        "strait-system",
+        "strait-proxy",
+        WAIT,
+    )
+    .await
+    .unwrap();
+    let mut mesh = Mesh {
+        topology,
+        issuer,
+        anchor,
+        issuer_pair,
+        proxies: Vec::new(),
+        pods: BTreeMap::new(),
+        dir: tempfile::tempdir().unwrap(),
+    };
+    let nodes: Vec<NetNode> = mesh.topology.nodes().to_vec();
+    for node in &nodes {
+        let child = start_proxy(&mesh, node, proxy).await;
+        mesh.proxies.push(child);
+    }
+    for node in &nodes {
+        let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
+        eventually(&format!("proxy on {} ready", node.name()), WAIT, || async {
+            let out = http_get(admin, "/ready").await?;
+            if out.starts_with("HTTP/1.1 200") {
+                Ok(())
+            } else {
+                Err(out)
+            }
+        })
+        .await;
+    }
+    mesh
+}
+
+/// The client pod (SA `client`) on node `node`.
+pub async fn add_client(mesh: &mut Mesh, node: usize) {
+    let client_pod = mesh
+        .topology
+        .add_pod(node, "shop", "client", |p| p.with_service_account("client"))
+        .await
+        .unwrap();
+    mesh.pods.insert("client".into(), (client_pod, None));
+}
+
+/// The standard test mesh: 3 nodes; each service has a pod on node 2 and one
+/// on node 3 (or one, for `sleepy`); the caller is on node 1.
+pub async fn mesh(proxy: &Path) -> Option<Mesh> {
+    if !root_or_skip("proxy node tests") {
+        return None;
+    }
+    let mut mesh = start_mesh(3, proxy).await;
+    let client = mesh.topology.cluster().client();
+    backend(&mut mesh, 1, "web-1", "web", &[]).await;
+    backend(&mut mesh, 2, "web-2", "web", &[]).await;
+    backend(&mut mesh, 1, "slow-1", "slow", &["--delay=150ms"]).await;
+    backend(&mut mesh, 2, "slow-2", "slow", &[]).await;
+    backend(&mut mesh, 1, "flaky-1", "flaky", &["--status=503"]).await;
+    backend(&mut mesh, 2, "flaky-2", "flaky", &[]).await;
+    backend(&mut mesh, 1, "broken-1", "broken", &["--status=503"]).await;
+    backend(&mut mesh, 2, "broken-2", "broken", &["--status=503"]).await;
+    backend(&mut mesh, 1, "sleepy-1", "sleepy", &["--delay=3s"]).await;
+    add_client(&mut mesh, 0).await;
+    for name in ["web", "slow", "flaky", "broken", "sleepy"] {
+        service(&client, name).await;
+    }
+    Some(mesh)
+}
+
+pub fn pod<'a>(mesh: &'a Mesh, name: &str) -> &'a NetPod {
+    &mesh.pods[name].0
+}
+
+pub fn curl(mesh: &Mesh, args: &[&str]) -> Output {
+    let client = pod(mesh, "client");
+    let proxy = format!("http://{}:4140", client.node().ip());
+    client
+        .command("curl")
+        .args(["-sS", "--max-time", "5", "-x", &proxy])
+        .args(args)
+        .output()
+        .expect("run curl in the client pod")
+}
+
+/// The JSON answer's pod name (strait-backend answers `{"pod": …}`).
+pub fn answered_by(out: &Output) -> Result<String, String> {
+    let body = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
+        format!(
+            "not JSON ({e}): {body} {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    v["pod"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("no pod in {v}"))
+}
+
+pub fn curl_status(mesh: &Mesh, url: &str) -> u16 {
+    let out = curl(mesh, &["-o", "/dev/null", "-w", "%{http_code}", url]);
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+pub async fn proxy_metrics(node: &NetNode) -> String {
+    http_get(SocketAddr::new(IpAddr::V4(node.ip()), 4191), "/metrics")
+        .await
+        .unwrap()
+}
+
+/// Sum of a metric's samples whose line contains every one of `having`.
+pub fn metric_sum(text: &str, name: &str, having: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && having.iter().all(|h| l.contains(h)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Node proxy benchmark: direct vs strait-proxy pair vs haproxy pair (root).
+#   bash scripts/bench-proxy.sh        (STRAIT_BENCH_RATES=1000,10000 STRAIT_BENCH_SECS=10)
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+APT_PACKAGES+=(haproxy)
+bootstrap
+build_control_plane
+cd "$STRAIT_ROOT"
+cargo build --release --bins
+exec cargo bench -p strait-proxy --bench mesh
