@@ -7,4 +7,4 @@ bootstrap
 build_control_plane
 cd "$STRAIT_ROOT"
 cargo build --release --bins
-exec cargo bench -p strait-proxy --bench mesh
+STRAIT_PROXY_LOG="${STRAIT_PROXY_LOG:-warn}" exec cargo bench -p strait-proxy --bench mesh

@@ -8,7 +8,8 @@
 //!     bash scripts/bench-proxy.sh
 //!
 //! (installs haproxy, builds the release binaries, then runs
-//! `cargo bench -p strait-proxy --bench mesh`; `STRAIT_BENCH_RATES=1000,10000`,
+//! `cargo bench -p strait-proxy --bench mesh` with `STRAIT_PROXY_LOG=warn`, since
+//! per-request debug logs would cost what is measured; `STRAIT_BENCH_RATES=1000,10000`,
 //! `STRAIT_BENCH_SECS=10`.)
 
 #[path = "../tests/common/mod.rs"]
@@ -116,7 +117,7 @@ fn start_haproxy(mesh: &Mesh, backend: SocketAddr) -> Vec<ChildProcess> {
     std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();
     let nodes = mesh.topology.nodes();
     let (n1, n2) = (nodes[0].ip(), nodes[1].ip());
-    let common = "global\n  maxconn 20000\n  nbthread 1\ndefaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  http-reuse always\n";
+    let common = "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  http-reuse always\n";
     let front = format!(
         "{common}frontend f\n  bind {n1}:4240\n  default_backend b\nbackend b\n  server s {n2}:4243 ssl verify required ca-file {} crt {} alpn http/1.1\n",
         ca.display(),
@@ -221,6 +222,19 @@ async fn main() {
                 )
             },
         ));
+    }
+    // A broken comparison must say why, not print zeros.
+    if runs
+        .iter()
+        .any(|r| r.label.starts_with("haproxy") && r.report["errors"].as_u64() != Some(0))
+    {
+        for h in &haproxy {
+            eprintln!(
+                "──── {} ────\n{}",
+                h.name(),
+                strait_testenv::process::log_tail(h.log_path(), 20)
+            );
+        }
     }
     println!(
         "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>14} {:>9}",

@@ -506,7 +506,7 @@ impl Outbound {
                 };
                 Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_max_idle_per_host(64)
+                    .pool_max_idle_per_host(1024)
                     .build(connector)
             })
             .clone()

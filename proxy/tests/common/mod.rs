@@ -101,13 +101,15 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         "--drain-timeout=2s".to_string(),
     ];
     let kubeconfig_path = dir.join("kubeconfig");
+    // Tests want the proxy's debug logs; the benchmark sets STRAIT_PROXY_LOG=warn.
+    let log_filter = std::env::var("STRAIT_PROXY_LOG").unwrap_or("strait_proxy=debug,info".into());
     node.spawn(
         &name,
         binary,
         &args,
         &[
             ("KUBECONFIG", kubeconfig_path.as_os_str()),
-            ("RUST_LOG", std::ffi::OsStr::new("strait_proxy=debug,info")),
+            ("RUST_LOG", std::ffi::OsStr::new(&log_filter)),
         ],
         &dir.join("proxy.log"),
     )
