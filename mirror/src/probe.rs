@@ -151,8 +151,15 @@ impl GatewayProbe {
         let connector = match self.connector() {
             Ok(c) => c,
             Err(health) => {
-                // No probing possible: every address counts as alive, and the
-                // condition says why nobody checked.
+                // No probing possible. Without an identity (probe disabled on
+                // purpose) every address counts as alive; with a gateway that
+                // cannot be verified (a bad gatewayIdentity) none does. The
+                // condition says which.
+                let alive = health.status != "False";
+                self.metrics
+                    .gateway_alive
+                    .get_or_create(&labels)
+                    .set(i64::from(alive));
                 self.status.set_health(health).await;
                 loop {
                     let ips = addresses
@@ -160,7 +167,7 @@ impl GatewayProbe {
                         .clone()
                         .unwrap_or_default()
                         .ips;
-                    publish(&tx, ips.iter().map(|&ip| (ip, true)));
+                    publish(&tx, ips.iter().map(|&ip| (ip, alive)));
                     tokio::select! {
                         r = addresses.changed() => if r.is_err() { return },
                         _ = tx.closed() => return,
