@@ -464,40 +464,20 @@ fn a_panicking_test_leaves_no_namespace_interface_or_process() {
 
 const HOLDER_ENV: &str = "STRAIT_NODES_TEST_HOLDER";
 
-/// Not a test on its own: `a_sigkilled_owner_leaves_...` runs this test binary
-/// again with only this test, which builds a topology and waits to be killed.
-#[test]
-#[ignore = "helper process for a_sigkilled_owner_leaves_no_namespace_interface_or_process"]
-fn holder_builds_a_topology_and_waits_to_be_killed() {
-    if std::env::var_os(HOLDER_ENV).is_none() {
-        return;
-    }
-    let logs = tempfile::tempdir().unwrap();
-    let (net, nodes, pods, procs) = build_small_topology(logs.path());
-    let fp = footprint(&net, &nodes, &pods, &procs);
-    println!(
-        "HOLDING {} {} {}",
-        fp.host_interfaces.join(","),
-        fp.netns_ids.join(","),
-        fp.pids
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(",")
-    );
-    std::thread::sleep(Duration::from_secs(300));
-}
-
 #[test]
 fn a_sigkilled_owner_leaves_no_namespace_interface_or_process() {
+    // This test runs its own binary again (only this test, HOLDER_ENV set) as
+    // the owner of a topology, then SIGKILLs it: no unwinding, no Drop.
+    if std::env::var_os(HOLDER_ENV).is_some() {
+        hold_a_topology_until_killed();
+    }
     if !root_or_skip("a_sigkilled_owner_leaves_no_namespace_interface_or_process") {
         return;
     }
     let mut holder = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "holder_builds_a_topology_and_waits_to_be_killed",
-            "--ignored",
+            "a_sigkilled_owner_leaves_no_namespace_interface_or_process",
             "--nocapture",
         ])
         .env(HOLDER_ENV, "1")
@@ -521,6 +501,26 @@ fn a_sigkilled_owner_leaves_no_namespace_interface_or_process() {
     holder.kill().expect("SIGKILL the holder"); // no unwinding, no Drop
     holder.wait().unwrap();
     assert_all_gone(&fp);
+}
+
+/// The holder side of `a_sigkilled_owner_...`: builds a topology, prints its
+/// footprint and waits to be killed.
+fn hold_a_topology_until_killed() -> ! {
+    let logs = tempfile::tempdir().unwrap();
+    let (net, nodes, pods, procs) = build_small_topology(logs.path());
+    let fp = footprint(&net, &nodes, &pods, &procs);
+    println!(
+        "HOLDING {} {} {}",
+        fp.host_interfaces.join(","),
+        fp.netns_ids.join(","),
+        fp.pids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    std::thread::sleep(Duration::from_secs(300));
+    panic!("the holder was not killed within 300 s");
 }
 
 /// `strait-testenv up --nodes 2`: people get nodes too, and a SIGKILLed `up`
