@@ -123,6 +123,10 @@ impl OpaquePorts {
     pub fn contains(&self, port: u16) -> bool {
         self.ranges.iter().any(|r| r.contains(&port))
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
 }
 
 /// Whether a connection to `port` skips detection, which list said so, and the

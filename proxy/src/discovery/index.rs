@@ -17,9 +17,9 @@ use strait_mesh::link::{
 use super::model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
-use super::names::{
-    OPAQUE_PORTS_ANNOTATION, PortSet, TIMEOUT_ANNOTATION, parse_service_host, parse_timeout,
-};
+use crate::detect::{OPAQUE_PORTS_ANNOTATION, OpaquePorts, PortsSource};
+
+use super::names::{TIMEOUT_ANNOTATION, parse_service_host, parse_timeout};
 
 /// The label tying an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -129,7 +129,7 @@ impl Snapshot {
                 .map(Vec::as_slice)
                 .unwrap_or_default();
             let mirror = mirror_info(svc);
-            let opaque = annotation_ports(svc.annotations());
+            let opaque = annotation_ports(svc.annotations(), PortsSource::Service);
             let timeout = svc
                 .annotations()
                 .get(TIMEOUT_ANNOTATION)
@@ -380,11 +380,17 @@ fn mirror_info(svc: &Service) -> Option<MirrorInfo> {
     })
 }
 
-fn annotation_ports(annotations: &BTreeMap<String, String>) -> PortSet {
-    annotations
-        .get(OPAQUE_PORTS_ANNOTATION)
-        .map(|v| PortSet::parse(v))
-        .unwrap_or_default()
+/// The object's own `strait.dev/opaque-ports` (no defaults: those are the
+/// detection policy's, `detect::skip_detection`). Bad entries are skipped.
+fn annotation_ports(annotations: &BTreeMap<String, String>, on: PortsSource) -> OpaquePorts {
+    let Some(value) = annotations.get(OPAQUE_PORTS_ANNOTATION) else {
+        return OpaquePorts::default();
+    };
+    let (ports, errors) = OpaquePorts::parse(value, on);
+    for e in errors {
+        tracing::debug!("{e}");
+    }
+    ports
 }
 
 fn internal_ip(node: &Node) -> Option<IpAddr> {
@@ -437,7 +443,7 @@ pub fn pod_info(pod: &Pod, trust_domain: &str) -> Option<PodInfo> {
         node,
         service_account,
         ready,
-        opaque_ports: annotation_ports(pod.annotations()),
+        opaque_ports: annotation_ports(pod.annotations(), PortsSource::Pod),
     })
 }
 

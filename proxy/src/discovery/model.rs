@@ -106,5 +106,5 @@ pub struct PodInfo {
     /// `spiffe://<trust domain>/ns/<ns>/sa/<sa>`; `None` if the names are not valid in one.
     pub identity: Option<SpiffeId>,
     /// Parsed `strait.dev/opaque-ports`.
-    pub opaque_ports: crate::discovery::names::PortSet,
+    pub opaque_ports: crate::detect::OpaquePorts,
 }

@@ -40,11 +40,6 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
-/// `strait.dev/opaque-ports` on a Pod or Service: ports whose traffic is
-/// never protocol-detected. Linkerd's syntax: `25,443,4000-4100`. Invalid
-/// parts are skipped (an annotation typo must not break discovery).
-pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
-
 /// Service annotation: the longest an HTTP request to it may take, retries
 /// included (e.g. `2s`, `500ms`); past it the caller gets a 504.
 pub const TIMEOUT_ANNOTATION: &str = "strait.dev/timeout";
@@ -62,38 +57,10 @@ pub fn parse_timeout(value: &str) -> Result<std::time::Duration, String> {
     }
 }
 
-/// Port ranges, inclusive. Kept as ranges so `0-65535` costs nothing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PortSet(Vec<(u16, u16)>);
-
-impl PortSet {
-    pub fn parse(value: &str) -> Self {
-        let mut ranges = Vec::new();
-        for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let range = match part.split_once('-') {
-                Some((a, b)) => a.trim().parse().ok().zip(b.trim().parse().ok()),
-                None => part.parse().ok().map(|p| (p, p)),
-            };
-            match range {
-                Some((a, b)) if a <= b && a > 0 => ranges.push((a, b)),
-                _ => tracing::debug!(part, "ignoring invalid opaque port"),
-            }
-        }
-        Self(ranges)
-    }
-
-    pub fn contains(&self, port: u16) -> bool {
-        self.0.iter().any(|&(a, b)| a <= port && port <= b)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::{OpaquePorts, PortsSource};
 
     #[test]
     fn timeouts_parse_and_bad_ones_say_why() {
@@ -157,13 +124,14 @@ mod tests {
 
     #[test]
     fn opaque_ports_take_lists_and_ranges_and_skip_junk() {
-        let set = PortSet::parse("25, 443,4000-4100,x,9-1,0,70000");
+        // One parser for the annotation everywhere: detection's.
+        let set = OpaquePorts::parse("25, 443,4000-4100,x,9-1,0,70000", PortsSource::Pod).0;
         for p in [25, 443, 4000, 4050, 4100] {
             assert!(set.contains(p), "{p}");
         }
         for p in [24, 80, 3999, 4101, 9, 1] {
             assert!(!set.contains(p), "{p}");
         }
-        assert!(PortSet::parse("").is_empty());
+        assert!(OpaquePorts::parse("", PortsSource::Pod).0.is_empty());
     }
 }
