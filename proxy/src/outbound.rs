@@ -189,7 +189,8 @@ pub struct Outbound {
     pub destinations: Arc<dyn Destinations>,
     pub metrics: ProxyMetrics,
     pub balancer: Balancer,
-    configs: ConfigCache,
+    /// Shared with every pooling client's connector: one config per pair.
+    configs: Arc<ConfigCache>,
     /// One pooling HTTP client per calling identity.
     clients: Mutex<HashMap<SpiffeId, Client<TunnelConnector, Body>>>,
     /// One retry budget per destination (`host:port` as the caller named it).
@@ -228,7 +229,7 @@ impl Outbound {
             destinations,
             metrics,
             balancer: Balancer::default(),
-            configs: ConfigCache::default(),
+            configs: Arc::default(),
             clients: Mutex::new(HashMap::new()),
             budgets: Mutex::new(HashMap::new()),
         })
@@ -502,7 +503,7 @@ impl Outbound {
                     source: caller.identity.clone(),
                     identities: self.identities.clone(),
                     destinations: self.destinations.clone(),
-                    configs: Arc::new(ConfigCache::default()),
+                    configs: self.configs.clone(),
                 };
                 Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(90))

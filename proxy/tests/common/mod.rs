@@ -15,7 +15,7 @@ use serde_json::json;
 use std::time::Duration;
 use strait_mesh::identity::ca::{self, PemPair};
 use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
-use strait_testenv::issuer::{self, RunningIssuer, token, workload_token};
+use strait_testenv::issuer::{self, RunningIssuer, http_get, token, workload_token};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::process::{ChildProcess, log_tail};
 use strait_testenv::wait::eventually;
@@ -114,21 +114,6 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         &dir.join("proxy.log"),
     )
     .unwrap()
-}
-
-pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| e.to_string())?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(out)
 }
 
 /// A pod on `node` running strait-backend as SA `web` with label `app`:
