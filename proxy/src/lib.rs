@@ -2,6 +2,8 @@
 //! between nodes over mutual TLS and mirror traffic to remote gateways.
 //!
 //! - [`outbound`]: port 4140, the HTTP proxy the node's pods call.
+//! - [`transparent`]: pods whose traffic is redirected to the proxy inside
+//!   their own network namespace (ztunnel's in-pod mode), with [`dns`].
 //! - [`inbound`]: port 4143, mutual TLS from other node proxies; delivers only
 //!   to pods on this node.
 //! - [`identity`]: the pods' identities this proxy holds, and how the server
@@ -13,11 +15,13 @@
 pub mod balance;
 pub mod detect;
 pub mod discovery;
+pub mod dns;
 pub mod identity;
 pub mod inbound;
 pub mod metrics;
 pub mod outbound;
 pub mod retry;
+pub mod transparent;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -192,8 +196,20 @@ impl outbound::Destinations for MeshView {
         }
         Ok(outbound::Resolved {
             endpoints,
+            opaque: destination.opaque,
             timeout: destination.timeout,
         })
+    }
+
+    fn local_pod_named(&self, namespace: &str, name: &str) -> Option<inbound::LocalPod> {
+        self.discovery
+            .snapshot()
+            .local_pod_named(namespace, name)
+            .map(|p| inbound::LocalPod {
+                namespace: p.namespace.clone(),
+                name: p.name.clone(),
+                service_account: p.service_account.clone(),
+            })
     }
 
     fn endpoint(&self, addr: std::net::SocketAddr) -> Option<outbound::Endpoint> {
@@ -204,5 +220,18 @@ impl outbound::Destinations for MeshView {
             node_proxy: snapshot.node_proxy(&pod.node)?,
             identity: pod.identity.clone()?,
         })
+    }
+}
+
+impl dns::ServiceNames for MeshView {
+    fn lookup(&self, host: &str) -> Option<Vec<std::net::IpAddr>> {
+        self.discovery
+            .snapshot()
+            .dns_lookup(host)
+            .map(<[std::net::IpAddr]>::to_vec)
+    }
+
+    fn cluster_domain(&self) -> String {
+        self.discovery.snapshot().cluster_domain().to_string()
     }
 }

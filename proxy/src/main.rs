@@ -16,6 +16,7 @@ use strait_proxy::identity::PodIdentities;
 use strait_proxy::inbound::Inbound;
 use strait_proxy::metrics::ProxyMetrics;
 use strait_proxy::outbound::Outbound;
+use strait_proxy::transparent::Transparent;
 use strait_proxy::{Drain, MeshView};
 
 /// Node proxy (one per node): carries local mesh traffic and traffic to remote gateways.
@@ -43,6 +44,16 @@ struct Args {
     /// Address of the admin server (`/live`, `/ready`, `/metrics`).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
     admin_addr: SocketAddr,
+    /// Transparent mode: the Unix socket where the node's CNI plugin enrolls
+    /// pods (their traffic is then redirected to the proxy inside their own
+    /// network namespace). Root-only (0600). Off when not given.
+    #[arg(long, env = "STRAIT_ENROLL_SOCKET")]
+    enroll_socket: Option<std::path::PathBuf>,
+    /// Where the DNS responder of transparent mode forwards names that are
+    /// not Services of this cluster (default: the first non-loopback
+    /// nameserver of /etc/resolv.conf; none: such names are refused).
+    #[arg(long, env = "STRAIT_DNS_UPSTREAM")]
+    dns_upstream: Option<SocketAddr>,
     /// How long open connections may finish after SIGTERM.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
@@ -102,13 +113,32 @@ async fn main() -> anyhow::Result<()> {
         metrics.clone(),
     );
     // Latency statistics of endpoints that are gone are forgotten (bounded memory).
-    let (balancer, mut updates) = (outbound.balancer.clone(), discovery.updates());
+    let (pools, mut updates) = (outbound.clone(), discovery.updates());
     tokio::spawn(async move {
         while updates.changed().await.is_ok() {
             let snapshot = updates.borrow_and_update().clone();
-            balancer.retain(|addr| snapshot.pod(addr.ip()).is_some());
+            pools
+                .balancer
+                .retain(|addr| snapshot.pod(addr.ip()).is_some());
+            pools.retain_h2(|addr| snapshot.pod(addr.ip()).is_some());
         }
     });
+    if let Some(path) = &args.enroll_socket {
+        let upstream = args.dns_upstream.or_else(|| {
+            std::fs::read_to_string("/etc/resolv.conf")
+                .ok()
+                .and_then(|text| strait_proxy::dns::upstream_from_resolv_conf(&text))
+        });
+        let dns = Arc::new(strait_proxy::dns::DnsResponder {
+            names: view.clone(),
+            upstream,
+        });
+        let listener = Transparent::bind(path)
+            .with_context(|| format!("binding the enrollment socket {}", path.display()))?;
+        let transparent = Transparent::new(outbound.clone(), dns, drain.clone());
+        tokio::spawn(transparent.serve(listener));
+        tracing::info!(socket = %path.display(), ?upstream, "transparent mode: pods may enroll");
+    }
     let inbound = Arc::new(Inbound {
         node: args.node_name.clone(),
         identities,

@@ -29,6 +29,7 @@ use tokio_rustls::client::TlsStream;
 
 use crate::Drain;
 use crate::balance::Balancer;
+use crate::detect::{DEFAULT_DETECT_TIMEOUT, OpaquePorts, PrefixedIo, detect};
 use crate::identity::{PodIdentities, server_name_for};
 use crate::inbound::LocalPods;
 use crate::metrics::{ProxyMetrics, TcpLabels};
@@ -55,6 +56,8 @@ pub enum ResolveError {
 #[derive(Clone, Debug)]
 pub struct Resolved {
     pub endpoints: Vec<Endpoint>,
+    /// Never protocol-detect connections to it (`strait.dev/opaque-ports`).
+    pub opaque: bool,
     /// The whole request's deadline, retries included (`strait.dev/timeout`).
     pub timeout: Option<Duration>,
 }
@@ -65,6 +68,9 @@ pub trait Destinations: LocalPods {
     fn resolve(&self, host: &str, port: u16) -> Result<Resolved, ResolveError>;
     /// The endpoint behind one pod address (to reconnect a pooled connection).
     fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint>;
+    /// The pod `namespace/name` if it runs on this node (a pod enrolled in
+    /// transparent mode is known by name, not by source address).
+    fn local_pod_named(&self, namespace: &str, name: &str) -> Option<crate::inbound::LocalPod>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -191,8 +197,10 @@ pub struct Outbound {
     pub balancer: Balancer,
     /// Shared with every pooling client's connector: one config per pair.
     configs: Arc<ConfigCache>,
-    /// One pooling HTTP client per calling identity.
+    /// One pooling HTTP/1 client per calling identity.
     clients: Mutex<HashMap<SpiffeId, Client<TunnelConnector, Body>>>,
+    /// HTTP/2 connections (one multiplexed tunnel per caller and pod).
+    h2: Mutex<HashMap<(SpiffeId, SocketAddr), hyper::client::conn::http2::SendRequest<Body>>>,
     /// One retry budget per destination (`host:port` as the caller named it).
     budgets: Mutex<HashMap<String, Arc<RetryBudget>>>,
 }
@@ -231,6 +239,7 @@ impl Outbound {
             balancer: Balancer::default(),
             configs: Arc::default(),
             clients: Mutex::new(HashMap::new()),
+            h2: Mutex::new(HashMap::new()),
             budgets: Mutex::new(HashMap::new()),
         })
     }
@@ -265,6 +274,110 @@ impl Outbound {
         }
     }
 
+    /// A connection a pod enrolled in transparent mode opened to anywhere,
+    /// redirected here by its network namespace's rules: the original
+    /// destination (SO_ORIGINAL_DST) says where it was going. A Service or pod
+    /// of the mesh is detected (unless its port is opaque) and carried like
+    /// the HTTP proxy's traffic; anything else passes through unchanged.
+    pub async fn handle_transparent(
+        self: Arc<Self>,
+        mut stream: TcpStream,
+        namespace: String,
+        name: String,
+    ) {
+        let original = match socket2::SockRef::from(&stream).original_dst_v4() {
+            Ok(addr) => addr.as_socket(),
+            Err(e) => {
+                tracing::debug!("transparent: no original destination ({e}): closing");
+                None
+            }
+        };
+        let Some(original) = original else { return };
+        let resolved = match self
+            .destinations
+            .resolve(&original.ip().to_string(), original.port())
+        {
+            Ok(r) => r,
+            Err(ResolveError::UnknownHost(_)) => return passthrough(stream, original).await,
+            Err(e) => {
+                tracing::debug!(pod = %format!("{namespace}/{name}"), "transparent: {e}: closing");
+                return;
+            }
+        };
+        let caller = match self.caller_named(&namespace, &name).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("transparent: {e}: closing");
+                return;
+            }
+        };
+        let opaque = resolved.opaque || OpaquePorts::defaults().contains(original.port());
+        let (protocol, prefix) = if opaque {
+            (Protocol::Opaque, Bytes::new())
+        } else {
+            match detect(&mut stream, DEFAULT_DETECT_TIMEOUT).await {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::debug!(%original, "transparent: reading the first bytes: {e}");
+                    return;
+                }
+            }
+        };
+        let io = PrefixedIo::new(prefix, stream);
+        match protocol {
+            Protocol::Opaque => {
+                match self
+                    .open_any(&caller, &resolved.endpoints, Protocol::Opaque)
+                    .await
+                {
+                    Ok((tunnel, endpoint)) => {
+                        let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+                        splice(&self.metrics, &labels, io, tunnel).await;
+                    }
+                    Err(e) => tracing::debug!(
+                        %original,
+                        "transparent: no tunnel: {}",
+                        e.map_or("no endpoint".to_string(), |e| e.to_string())
+                    ),
+                }
+            }
+            Protocol::Http1 | Protocol::Http2 => {
+                let this = self.clone();
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let (this, caller) = (this.clone(), caller.clone());
+                    async move {
+                        // Endpoints change under a long-lived connection: ask per request.
+                        let response = match this
+                            .destinations
+                            .resolve(&original.ip().to_string(), original.port())
+                        {
+                            Ok(resolved) => {
+                                this.forward_within(req, caller, resolved, &original.to_string())
+                                    .await
+                            }
+                            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                        };
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                let io = TokioIo::new(io);
+                let served = if protocol == Protocol::Http2 {
+                    hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(io, service)
+                        .await
+                } else {
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .with_upgrades()
+                        .await
+                };
+                if let Err(e) = served {
+                    tracing::debug!(%original, "transparent connection: {e}");
+                }
+            }
+        }
+    }
+
     /// The calling pod, which must run on this node, and its identity.
     async fn caller(&self, ip: IpAddr) -> Result<Caller, String> {
         let pod = self.destinations.local_pod(ip).ok_or_else(|| {
@@ -273,6 +386,24 @@ impl Outbound {
                 self.node
             )
         })?;
+        self.caller_for(pod).await
+    }
+
+    /// A pod enrolled in transparent mode, by name.
+    async fn caller_named(&self, namespace: &str, name: &str) -> Result<Caller, String> {
+        let pod = self
+            .destinations
+            .local_pod_named(namespace, name)
+            .ok_or_else(|| {
+                format!(
+                    "pod {namespace}/{name} is not known to run on node {}",
+                    self.node
+                )
+            })?;
+        self.caller_for(pod).await
+    }
+
+    async fn caller_for(&self, pod: crate::inbound::LocalPod) -> Result<Caller, String> {
         let pod_ref = PodRef {
             namespace: pod.namespace.clone(),
             name: pod.name.clone(),
@@ -320,19 +451,31 @@ impl Outbound {
             self.connect(req, caller, resolved.endpoints).await
         } else {
             let destination = format!("{}:{port}", authority.host());
-            let forward = self.forward(req, caller, resolved.endpoints, &destination);
-            match resolved.timeout {
-                None => forward.await,
-                Some(limit) => match tokio::time::timeout(limit, forward).await {
-                    Ok(response) => response,
-                    Err(_) => text(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        format!(
-                            "{destination} did not answer within its timeout of {limit:?} (strait.dev/timeout)"
-                        ),
+            self.forward_within(req, caller, resolved, &destination)
+                .await
+        }
+    }
+
+    /// [`Self::forward`] within the destination's timeout (`strait.dev/timeout`).
+    async fn forward_within(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        resolved: Resolved,
+        destination: &str,
+    ) -> Response<Body> {
+        let forward = self.forward(req, caller, resolved.endpoints, destination);
+        match resolved.timeout {
+            None => forward.await,
+            Some(limit) => match tokio::time::timeout(limit, forward).await {
+                Ok(response) => response,
+                Err(_) => text(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!(
+                        "{destination} did not answer within its timeout of {limit:?} (strait.dev/timeout)"
                     ),
-                },
-            }
+                ),
+            },
         }
     }
 
@@ -344,51 +487,57 @@ impl Outbound {
         caller: Caller,
         endpoints: Vec<Endpoint>,
     ) -> Response<Body> {
-        let mut last_error = None;
-        for endpoint in self.balancer.order(&endpoints) {
-            let config =
-                match self
-                    .configs
-                    .get(&self.identities, &caller.identity, &endpoint.identity)
-                {
-                    Ok(c) => c,
-                    Err(e) => return text(StatusCode::BAD_GATEWAY, e.to_string()),
-                };
-            match open_tunnel(config, &endpoint, Protocol::Opaque).await {
-                Ok(mut tunnel) => {
-                    let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
-                    let metrics = self.metrics.clone();
-                    tokio::spawn(async move {
-                        let Ok(upgraded) = hyper::upgrade::on(req).await else {
-                            return;
-                        };
-                        metrics.tcp_open(&labels);
-                        let mut client = TokioIo::new(upgraded);
-                        let (read, written) =
-                            tokio::io::copy_bidirectional(&mut client, &mut tunnel)
-                                .await
-                                .unwrap_or((0, 0));
-                        metrics.tcp_close(&labels, read, written);
-                    });
-                    return Response::new(
-                        http_body_util::Empty::new()
-                            .map_err(|never| match never {})
-                            .boxed(),
-                    );
-                }
-                Err(e) if e.retryable() => {
-                    tracing::debug!(endpoint = %endpoint.addr, "CONNECT: {e}; trying another endpoint");
-                    last_error = Some(e);
-                }
-                Err(e) => return text(status_for(&e), e.to_string()),
+        match self.open_any(&caller, &endpoints, Protocol::Opaque).await {
+            Ok((tunnel, endpoint)) => {
+                let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+                let metrics = self.metrics.clone();
+                tokio::spawn(async move {
+                    let Ok(upgraded) = hyper::upgrade::on(req).await else {
+                        return;
+                    };
+                    splice(&metrics, &labels, TokioIo::new(upgraded), tunnel).await;
+                });
+                Response::new(
+                    http_body_util::Empty::new()
+                        .map_err(|never| match never {})
+                        .boxed(),
+                )
             }
+            Err(Some(e)) => text(status_for(&e), e.to_string()),
+            Err(None) => text(StatusCode::BAD_GATEWAY, "no endpoint".into()),
         }
-        let e = last_error.map_or("no endpoint".to_string(), |e| e.to_string());
-        text(StatusCode::BAD_GATEWAY, e)
     }
 
-    /// An absolute-form HTTP/1 request: pick an endpoint for this request and
-    /// send it over a pooled tunnel to that pod. A retryable failure (the
+    /// A tunnel to one of `endpoints`, best first by the balancer, moving on
+    /// while failures are retryable. `Err(None)`: no endpoint at all.
+    async fn open_any(
+        &self,
+        caller: &Caller,
+        endpoints: &[Endpoint],
+        protocol: Protocol,
+    ) -> Result<(TlsStream<TcpStream>, Endpoint), Option<TunnelError>> {
+        let mut last_error = None;
+        for endpoint in self.balancer.order(endpoints) {
+            let config = self
+                .configs
+                .get(&self.identities, &caller.identity, &endpoint.identity)
+                .map_err(Some)?;
+            match open_tunnel(config, &endpoint, protocol).await {
+                Ok(tunnel) => return Ok((tunnel, endpoint)),
+                Err(e) if e.retryable() => {
+                    tracing::debug!(endpoint = %endpoint.addr, "{e}; trying another endpoint");
+                    last_error = Some(e);
+                }
+                Err(e) => return Err(Some(e)),
+            }
+        }
+        Err(last_error)
+    }
+
+    /// An HTTP request (absolute-form HTTP/1 from the HTTP proxy, or any
+    /// HTTP/1 or HTTP/2 request in transparent mode): pick an endpoint for
+    /// this request and send it over a pooled tunnel to that pod, in the
+    /// version the client spoke (HTTP/2 stays HTTP/2 end to end: gRPC). A retryable failure (the
     /// request never reached a pod, or a bodiless idempotent request answered
     /// 502/503/504) is sent again to another endpoint while the destination's
     /// retry budget allows.
@@ -399,8 +548,8 @@ impl Outbound {
         endpoints: Vec<Endpoint>,
         destination: &str,
     ) -> Response<Body> {
-        let client = self.client_for(&caller);
         let (mut parts, body) = req.into_parts();
+        let http2 = parts.version == http::Version::HTTP_2;
         for hop in ["proxy-connection", "proxy-authorization"] {
             parts.headers.remove(hop);
         }
@@ -432,15 +581,23 @@ impl Outbound {
             };
             tried.push(endpoint.addr);
             let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
-            // The pool is keyed by the pod's address: kept-alive tunnels per pod.
-            let uri = match Uri::builder()
-                .scheme("http")
-                .authority(endpoint.addr.to_string())
-                .path_and_query(path.as_str())
-                .build()
-            {
-                Ok(u) => u,
-                Err(e) => return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}")),
+            // HTTP/1: the pool is keyed by the pod's address (kept-alive
+            // tunnels per pod; the Host header still names the service).
+            // HTTP/2 keeps the client's URI: it carries `:authority`.
+            let uri = if http2 && parts.uri.authority().is_some() {
+                parts.uri.clone()
+            } else {
+                match Uri::builder()
+                    .scheme("http")
+                    .authority(endpoint.addr.to_string())
+                    .path_and_query(path.as_str())
+                    .build()
+                {
+                    Ok(u) => u,
+                    Err(e) => {
+                        return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}"));
+                    }
+                }
             };
             let mut request = Request::new(body.take().unwrap_or_else(empty_body));
             *request.method_mut() = parts.method.clone();
@@ -450,12 +607,19 @@ impl Outbound {
             self.metrics.request(&labels);
             let started = Instant::now();
             let guard = self.balancer.start(&endpoint);
-            let result = client.request(request).await;
+            let result = if http2 {
+                self.send_h2(&caller, &endpoint, request).await
+            } else {
+                self.client_for(&caller)
+                    .request(request)
+                    .await
+                    .map_err(SendError::from)
+            };
             let elapsed = started.elapsed();
             let retryable = match &result {
                 Ok(r) => replayable && RETRYABLE_STATUSES.contains(&r.status()),
                 // Never sent (no tunnel): safe to send elsewhere.
-                Err(e) => e.is_connect() && replayable,
+                Err(e) => e.connect && replayable,
             };
             guard.finish(elapsed, !retryable && result.is_ok());
             self.metrics.response(
@@ -473,16 +637,71 @@ impl Outbound {
             }
             return match result {
                 Ok(response) => response.map(|b| b.boxed()),
-                Err(e) => {
-                    let why = std::error::Error::source(&e)
-                        .map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
-                    text(
-                        StatusCode::BAD_GATEWAY,
-                        format!("to {}: {why}", endpoint.addr),
-                    )
-                }
+                Err(e) => text(
+                    StatusCode::BAD_GATEWAY,
+                    format!("to {}: {}", endpoint.addr, e.message),
+                ),
             };
         }
+    }
+
+    /// Sends an HTTP/2 request over the caller's multiplexed tunnel to the
+    /// pod, opening it (or replacing a closed one) first.
+    async fn send_h2(
+        &self,
+        caller: &Caller,
+        endpoint: &Endpoint,
+        request: Request<Body>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let key = (caller.identity.id(), endpoint.addr);
+        let existing = self
+            .h2
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .filter(|s| !s.is_closed())
+            .cloned();
+        let mut sender = match existing {
+            Some(sender) => sender,
+            None => {
+                let config = self
+                    .configs
+                    .get(&self.identities, &caller.identity, &endpoint.identity)
+                    .map_err(SendError::connect)?;
+                let tunnel = open_tunnel(config, endpoint, Protocol::Http2)
+                    .await
+                    .map_err(SendError::connect)?;
+                let (sender, connection) =
+                    hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+                        .handshake(TokioIo::new(tunnel))
+                        .await
+                        .map_err(SendError::connect)?;
+                let pod = endpoint.addr;
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(%pod, "HTTP/2 tunnel: {e}");
+                    }
+                });
+                self.h2
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, sender.clone());
+                sender
+            }
+        };
+        sender.ready().await.map_err(SendError::connect)?;
+        sender.send_request(request).await.map_err(|e| SendError {
+            connect: false,
+            message: e.to_string(),
+        })
+    }
+
+    /// Forgets HTTP/2 tunnels to pods that are gone (bounded memory).
+    pub fn retain_h2(&self, keep: impl Fn(SocketAddr) -> bool) {
+        self.h2
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(_, addr), sender| keep(*addr) && !sender.is_closed());
     }
 
     fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
@@ -511,6 +730,61 @@ impl Outbound {
                     .build(connector)
             })
             .clone()
+    }
+}
+
+/// Why a request got no response, and whether it never left (safe to send
+/// to another endpoint).
+#[derive(Debug)]
+struct SendError {
+    connect: bool,
+    message: String,
+}
+
+impl SendError {
+    fn connect(e: impl std::fmt::Display) -> Self {
+        Self {
+            connect: true,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<hyper_util::client::legacy::Error> for SendError {
+    fn from(e: hyper_util::client::legacy::Error) -> Self {
+        let message =
+            std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
+        Self {
+            connect: e.is_connect(),
+            message,
+        }
+    }
+}
+
+/// Copies both ways between a client and a tunnel, counted as one TCP
+/// connection in the metrics.
+async fn splice<C, T>(metrics: &ProxyMetrics, labels: &TcpLabels, mut client: C, mut tunnel: T)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    metrics.tcp_open(labels);
+    let (read, written) = tokio::io::copy_bidirectional(&mut client, &mut tunnel)
+        .await
+        .unwrap_or((0, 0));
+    metrics.tcp_close(labels, read, written);
+}
+
+/// A connection to something outside the mesh: connected from the node, as
+/// the pod would have.
+async fn passthrough(mut stream: TcpStream, original: SocketAddr) {
+    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(original)).await {
+        Ok(Ok(mut upstream)) => {
+            let _ = upstream.set_nodelay(true);
+            let _ = tokio::io::copy_bidirectional(&mut stream, &mut upstream).await;
+        }
+        Ok(Err(e)) => tracing::debug!(%original, "passthrough: {e}"),
+        Err(_) => tracing::debug!(%original, "passthrough: connect timed out"),
     }
 }
 

@@ -52,6 +52,10 @@ pub struct Snapshot {
     pods_by_ip: HashMap<IpAddr, Arc<PodInfo>>,
     /// Node name → its proxy's inbound address.
     node_proxies: HashMap<String, SocketAddr>,
+    /// (namespace, name) → what `<name>.<namespace>.svc.<cluster domain>`
+    /// resolves to: the ClusterIPs, or for a headless Service its ready
+    /// endpoints' addresses (the node proxy's DNS responder answers from it).
+    dns: HashMap<(String, String), Vec<IpAddr>>,
 }
 
 impl Snapshot {
@@ -116,6 +120,7 @@ impl Snapshot {
         };
         let mut by_addr = HashMap::new();
         let mut by_name = HashMap::new();
+        let mut dns = HashMap::new();
         for svc in services {
             let (Some(ns), Some(name)) = (&svc.metadata.namespace, &svc.metadata.name) else {
                 continue;
@@ -147,6 +152,14 @@ impl Snapshot {
                 .chain(spec.cluster_ip.iter())
                 .filter_map(|ip| ip.parse().ok())
                 .collect();
+            let addresses = if cluster_ips.is_empty() {
+                ready_addresses(svc_slices)
+            } else {
+                let mut ips = cluster_ips.clone();
+                ips.dedup();
+                ips
+            };
+            dns.insert((ns.clone(), name.clone()), addresses);
             for sp in spec.ports.iter().flatten() {
                 if sp.protocol.as_deref().is_some_and(|p| p != "TCP") {
                     continue;
@@ -185,6 +198,7 @@ impl Snapshot {
             by_name,
             pods_by_ip,
             node_proxies,
+            dns,
         }
     }
 
@@ -229,6 +243,32 @@ impl Snapshot {
         self.pods_by_ip
             .get(&ip)
             .filter(|p| p.node == self.node_name)
+            .cloned()
+    }
+
+    /// What a DNS name of a Service resolves to: `Some(addresses)` (maybe
+    /// empty: a headless Service without ready endpoints) when the Service
+    /// exists, `None` when it does not. Only the full form
+    /// `<name>.<namespace>.svc.<cluster domain>` (any case, optional final dot).
+    pub fn dns_lookup(&self, host: &str) -> Option<&[IpAddr]> {
+        let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+        let suffix = format!(".svc.{}", self.cluster_domain.trim_end_matches('.'));
+        if !host.ends_with(&suffix.to_ascii_lowercase()) {
+            return None;
+        }
+        let (ns, name) = parse_service_host(&host, &self.cluster_domain)?;
+        self.dns.get(&(ns, name)).map(Vec::as_slice)
+    }
+
+    /// The cluster's DNS domain (`cluster.local`).
+    pub fn cluster_domain(&self) -> &str {
+        &self.cluster_domain
+    }
+
+    /// The pod `namespace/name` if it runs on this node.
+    pub fn local_pod_named(&self, namespace: &str, name: &str) -> Option<Arc<PodInfo>> {
+        self.local_pods()
+            .find(|p| p.namespace == namespace && p.name == name)
             .cloned()
     }
 
@@ -307,6 +347,19 @@ fn ready_endpoints(
     out.into_iter()
         .map(|(addr, route)| Endpoint { addr, route })
         .collect()
+}
+
+/// Addresses of the ready endpoints of a headless Service, in a stable order.
+fn ready_addresses(slices: &[&EndpointSlice]) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = slices
+        .iter()
+        .flat_map(|s| s.endpoints.iter().flatten())
+        .filter(|ep| ep.conditions.as_ref().and_then(|c| c.ready) != Some(false))
+        .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// The port of `slice` for the Service port named `port_name` (unnamed: `None` or "").

@@ -99,6 +99,7 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         format!("--trust-anchors={}", s(&dir.join("ca.crt"))),
         format!("--token-file={}", s(&dir.join("token"))),
         "--drain-timeout=2s".to_string(),
+        format!("--enroll-socket={}", s(&enroll_socket(mesh, node))),
     ];
     let kubeconfig_path = dir.join("kubeconfig");
     // Tests want the proxy's debug logs; the benchmark sets STRAIT_PROXY_LOG=warn.
@@ -114,6 +115,11 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         &dir.join("proxy.log"),
     )
     .unwrap()
+}
+
+/// The proxy's transparent-mode enrollment socket on `node`.
+pub fn enroll_socket(mesh: &Mesh, node: &NetNode) -> std::path::PathBuf {
+    mesh.dir.path().join(node.name()).join("enroll.sock")
 }
 
 /// A pod on `node` running strait-backend as SA `web` with label `app`:

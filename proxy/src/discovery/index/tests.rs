@@ -329,3 +329,46 @@ fn slice_ports_match_by_service_port_name() {
     assert_eq!(slice_port(&s, Some("dns")), None);
     assert_eq!(slice_port(&s, Some("http")), None);
 }
+
+#[test]
+fn dns_names_answer_cluster_ips_or_headless_endpoints_and_nothing_else() {
+    let snap = Snapshot::build(
+        &config(),
+        &[
+            service("web", "10.96.0.10", json!({})),
+            service("db", "None", json!({"spec": {"clusterIPs": null}})),
+        ],
+        &[slice(
+            "db",
+            "db-a",
+            5432,
+            &[
+                ("db-1", "10.244.2.9", "node-b", Some(true)),
+                ("db-0", "10.244.1.9", "node-a", None),
+                ("db-2", "10.244.3.9", "node-c", Some(false)),
+            ],
+        )],
+        &[],
+        &[],
+    );
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    assert_eq!(
+        snap.dns_lookup("web.shop.svc.cluster.local"),
+        Some(&[ip("10.96.0.10")][..])
+    );
+    assert_eq!(
+        snap.dns_lookup("WEB.shop.svc.cluster.local."),
+        Some(&[ip("10.96.0.10")][..])
+    );
+    // Headless: the ready endpoints, sorted; the not-ready one is left out.
+    assert_eq!(
+        snap.dns_lookup("db.shop.svc.cluster.local"),
+        Some(&[ip("10.244.1.9"), ip("10.244.2.9")][..])
+    );
+    // Only the full form: short forms are the resolver's search list's job.
+    assert_eq!(snap.dns_lookup("web.shop"), None);
+    assert_eq!(snap.dns_lookup("web.shop.svc"), None);
+    assert_eq!(snap.dns_lookup("web.shop.svc.other.domain"), None);
+    assert_eq!(snap.dns_lookup("nope.shop.svc.cluster.local"), None);
+    assert_eq!(snap.dns_lookup("a.web.shop.svc.cluster.local"), None);
+}
