@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use strait_mesh::identity::SpiffeId;
@@ -56,9 +56,12 @@ pub struct Snapshot {
     /// resolves to: the ClusterIPs, or for a headless Service its ready
     /// endpoints' addresses (the node proxy's DNS responder answers from it).
     dns: HashMap<(String, String), Vec<IpAddr>>,
+    /// Namespaces with a `strait.dev/opaque-ports` annotation.
+    namespace_ports: HashMap<String, OpaquePorts>,
 }
 
 impl Snapshot {
+    /// [`Snapshot::build_with`] without namespace annotations.
     pub fn build(
         config: &IndexConfig,
         services: &[Arc<Service>],
@@ -66,6 +69,33 @@ impl Snapshot {
         pods: &[Arc<Pod>],
         nodes: &[Arc<Node>],
     ) -> Self {
+        Self::build_with(config, services, slices, pods, nodes, &[])
+    }
+
+    /// The tables from the objects. Which ports skip protocol detection
+    /// follows `detect::skip_detection`: a Service port is opaque when the
+    /// Service's list or its workloads' list (the Namespace's, else the
+    /// defaults) names it; a pod port when the Pod's list (else the
+    /// Namespace's, else the defaults) names it.
+    pub fn build_with(
+        config: &IndexConfig,
+        services: &[Arc<Service>],
+        slices: &[Arc<EndpointSlice>],
+        pods: &[Arc<Pod>],
+        nodes: &[Arc<Node>],
+        namespaces: &[Arc<Namespace>],
+    ) -> Self {
+        let namespace_ports: HashMap<String, OpaquePorts> = namespaces
+            .iter()
+            .filter(|ns| ns.annotations().contains_key(OPAQUE_PORTS_ANNOTATION))
+            .map(|ns| {
+                (
+                    ns.name_any(),
+                    annotation_ports(ns.annotations(), PortsSource::Namespace),
+                )
+            })
+            .collect();
+        let defaults = OpaquePorts::defaults();
         let node_proxies: HashMap<String, SocketAddr> = nodes
             .iter()
             .filter_map(|n| {
@@ -135,6 +165,7 @@ impl Snapshot {
                 .unwrap_or_default();
             let mirror = mirror_info(svc);
             let opaque = annotation_ports(svc.annotations(), PortsSource::Service);
+            let workloads = namespace_ports.get(ns.as_str()).unwrap_or(&defaults);
             let timeout = svc
                 .annotations()
                 .get(TIMEOUT_ANNOTATION)
@@ -180,7 +211,7 @@ impl Snapshot {
                         port,
                     },
                     mirror: mirror.clone(),
-                    opaque: opaque.contains(port),
+                    opaque: opaque.contains(port) || workloads.contains(port),
                     endpoints: endpoints.into(),
                     timeout,
                 });
@@ -199,6 +230,7 @@ impl Snapshot {
             pods_by_ip,
             node_proxies,
             dns,
+            namespace_ports,
         }
     }
 
@@ -225,7 +257,7 @@ impl Snapshot {
                 port: addr.port(),
             },
             mirror: None,
-            opaque: pod.opaque_ports.contains(addr.port()),
+            opaque: self.pod_opaque_ports(pod).contains(addr.port()),
             endpoints: endpoints.into(),
             timeout: None,
         }))
@@ -244,6 +276,15 @@ impl Snapshot {
             .get(&ip)
             .filter(|p| p.node == self.node_name)
             .cloned()
+    }
+
+    /// The ports of `pod` that skip detection: its own list, else its
+    /// namespace's, else the defaults.
+    fn pod_opaque_ports(&self, pod: &PodInfo) -> OpaquePorts {
+        pod.opaque_ports
+            .clone()
+            .or_else(|| self.namespace_ports.get(&pod.namespace).cloned())
+            .unwrap_or_else(OpaquePorts::defaults)
     }
 
     /// What a DNS name of a Service resolves to: `Some(addresses)` (maybe
@@ -496,7 +537,10 @@ pub fn pod_info(pod: &Pod, trust_domain: &str) -> Option<PodInfo> {
         node,
         service_account,
         ready,
-        opaque_ports: annotation_ports(pod.annotations(), PortsSource::Pod),
+        opaque_ports: pod
+            .annotations()
+            .contains_key(OPAQUE_PORTS_ANNOTATION)
+            .then(|| annotation_ports(pod.annotations(), PortsSource::Pod)),
     })
 }
 

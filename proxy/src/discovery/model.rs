@@ -105,6 +105,7 @@ pub struct PodInfo {
     pub ready: bool,
     /// `spiffe://<trust domain>/ns/<ns>/sa/<sa>`; `None` if the names are not valid in one.
     pub identity: Option<SpiffeId>,
-    /// Parsed `strait.dev/opaque-ports`.
-    pub opaque_ports: crate::detect::OpaquePorts,
+    /// Parsed `strait.dev/opaque-ports`; `None` when the pod has none (its
+    /// namespace's list, else the defaults, apply).
+    pub opaque_ports: Option<crate::detect::OpaquePorts>,
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::stream::{BoxStream, SelectAll};
 use futures::{FutureExt, StreamExt};
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod, PodSpec, PodStatus, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeStatus, Pod, PodSpec, PodStatus, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::{self, Store};
@@ -26,6 +26,7 @@ pub(super) struct Stores {
     slices: Store<EndpointSlice>,
     pods: Store<Pod>,
     nodes: Store<Node>,
+    namespaces: Store<Namespace>,
 }
 
 impl Stores {
@@ -34,6 +35,7 @@ impl Stores {
             && self.slices.wait_until_ready().now_or_never().is_some()
             && self.pods.wait_until_ready().now_or_never().is_some()
             && self.nodes.wait_until_ready().now_or_never().is_some()
+            && self.namespaces.wait_until_ready().now_or_never().is_some()
     }
 }
 
@@ -93,13 +95,21 @@ pub(super) fn streams(client: &Client) -> (Stores, Changes) {
         watcher::Config::default(),
         trim_node,
     );
+    // For their `strait.dev/opaque-ports` only.
+    let (namespaces, s5) = reflect(
+        "Namespace",
+        Api::<Namespace>::all(client.clone()),
+        watcher::Config::default(),
+        trim_namespace,
+    );
     let stores = Stores {
         services,
         slices,
         pods,
         nodes,
+        namespaces,
     };
-    (stores, futures::stream::select_all([s1, s2, s3, s4]))
+    (stores, futures::stream::select_all([s1, s2, s3, s4, s5]))
 }
 
 /// Drives the reflectors and publishes a new snapshot after each burst of changes.
@@ -136,12 +146,13 @@ pub(super) async fn run(
             }
             tracing::info!("discovery synced");
         }
-        let mut snapshot = Snapshot::build(
+        let mut snapshot = Snapshot::build_with(
             &config,
             &stores.services.state(),
             &stores.slices.state(),
             &stores.pods.state(),
             &stores.nodes.state(),
+            &stores.namespaces.state(),
         );
         snapshot.synced = true;
         if tx.send(Arc::new(snapshot)).is_err() {
@@ -192,6 +203,13 @@ fn trim_pod(pod: &mut Pod) {
             .map(|c| c.into_iter().filter(|c| c.type_ == "Ready").collect()),
         ..Default::default()
     });
+}
+
+fn trim_namespace(ns: &mut Namespace) {
+    trim_meta(&mut ns.metadata);
+    ns.metadata.labels = None;
+    ns.spec = None;
+    ns.status = None;
 }
 
 /// Nodes carry image lists and more; only the addresses matter here.

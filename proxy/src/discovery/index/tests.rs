@@ -372,3 +372,45 @@ fn dns_names_answer_cluster_ips_or_headless_endpoints_and_nothing_else() {
     assert_eq!(snap.dns_lookup("nope.shop.svc.cluster.local"), None);
     assert_eq!(snap.dns_lookup("a.web.shop.svc.cluster.local"), None);
 }
+
+#[test]
+fn opaque_ports_come_from_the_pod_or_service_else_the_namespace_else_the_defaults() {
+    let ns = |name: &str, ports: Option<&str>| -> Arc<Namespace> {
+        let annotations = ports.map_or(json!({}), |p| json!({OPAQUE_PORTS_ANNOTATION: p}));
+        obj(json!({"metadata": {"name": name, "annotations": annotations}}))
+    };
+    let mut annotated = (*pod("db-0", "node-a", "10.244.1.5", "db")).clone();
+    annotated.metadata.annotations =
+        Some([(OPAQUE_PORTS_ANNOTATION.to_string(), "7000".to_string())].into());
+    let build = |namespaces: &[Arc<Namespace>]| {
+        Snapshot::build_with(
+            &config(),
+            &[service("web", "10.96.0.10", json!({}))],
+            &[],
+            &[
+                pod("web-0", "node-a", "10.244.1.2", "web"),
+                Arc::new(annotated.clone()),
+            ],
+            &[node("node-a", "10.0.0.11")],
+            namespaces,
+        )
+    };
+    let opaque = |snap: &Snapshot, a: &str| snap.resolve_addr(addr(a)).unwrap().opaque;
+
+    // No namespace list: Linkerd's defaults (3306 yes, 80 no) for pods and Services.
+    let plain = build(&[ns("shop", None)]);
+    assert!(opaque(&plain, "10.244.1.2:3306"));
+    assert!(!opaque(&plain, "10.244.1.2:8080"));
+    assert!(!opaque(&plain, "10.96.0.10:80"));
+    // The pod's own list replaces the defaults (and the namespace's).
+    assert!(opaque(&plain, "10.244.1.5:7000"));
+    assert!(!opaque(&plain, "10.244.1.5:3306"));
+
+    // The namespace's list replaces the defaults for its pods and Services.
+    let listed = build(&[ns("shop", Some("80,8080"))]);
+    assert!(opaque(&listed, "10.244.1.2:8080"));
+    assert!(!opaque(&listed, "10.244.1.2:3306"));
+    assert!(opaque(&listed, "10.96.0.10:80"));
+    assert!(opaque(&listed, "10.244.1.5:7000"));
+    assert!(!opaque(&listed, "10.244.1.5:8080"));
+}
