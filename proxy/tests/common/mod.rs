@@ -53,11 +53,13 @@ impl Drop for Mesh {
     }
 }
 
-/// A Pod object for the proxy on `node`, as the DaemonSet (deploy/proxy) makes
-/// it: its labels, `hostNetwork`, its ports, and Running with the node's IP
-/// (Ready once [`mark_proxy_ready`] says so, as its readiness probe would), so
-/// the `strait-proxy` Service publishes it. Its token is bound to this pod on
-/// that node, as a DaemonSet pod's projected token is. Then the proxy process.
+/// A Pod object for the proxy on `node` with the DaemonSet's labels and ports
+/// (deploy/proxy), Running, and Ready once [`mark_proxy_ready`] says so (as its
+/// readiness probe would), so the `strait-proxy` Service publishes it. The
+/// process runs in the node's namespace, so the Pod says `hostNetwork` with
+/// podIP = node IP (the DaemonSet's pods have their own IP on the node, with
+/// hostPorts: the same node either way). Its token is bound to this pod on that
+/// node, as a DaemonSet pod's projected token is. Then the proxy process.
 pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
     let client = mesh.topology.cluster().client();
     let name = format!("strait-proxy-{}", node.name());
