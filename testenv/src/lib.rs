@@ -20,6 +20,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod dns;
 pub mod issuer;
+pub mod kube_proxy;
 pub mod kubeconfig;
 pub mod net;
 pub mod pki;

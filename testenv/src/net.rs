@@ -124,12 +124,13 @@ fn package_of(program: &OsStr) -> &'static str {
     match program.to_str() {
         Some("ip") => "iproute2",
         Some("sysctl") => "procps",
+        Some(p) if p.starts_with("iptables") => "iptables",
         _ => "util-linux",
     }
 }
 
 /// Runs `cmd` to completion, feeding it `stdin`; an error carries its stderr.
-fn run(mut cmd: Command, stdin: Option<&str>) -> Result<String, NetError> {
+pub(crate) fn run(mut cmd: Command, stdin: Option<&str>) -> Result<String, NetError> {
     let command = describe(&cmd);
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()

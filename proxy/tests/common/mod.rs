@@ -19,6 +19,7 @@ use strait_testenv::issuer::{self, RunningIssuer, http_get, token, workload_toke
 use strait_testenv::net::root_or_skip;
 use strait_testenv::process::{ChildProcess, log_tail};
 use strait_testenv::wait::eventually;
+use strait_testenv::workloads::set_pod_ready;
 use strait_testenv::{ClusterTopology, NetNode, NetPod, kubeconfig, workspace_binary};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -52,15 +53,25 @@ impl Drop for Mesh {
     }
 }
 
-/// A Pod object for the proxy on `node` (so its token is bound to a pod on that
-/// node, as a DaemonSet pod's projected token is) and the proxy process.
+/// A Pod object for the proxy on `node` with the DaemonSet's labels and ports
+/// (deploy/proxy), Running, and Ready once [`mark_proxy_ready`] says so (as its
+/// readiness probe would), so the `strait-proxy` Service publishes it. The
+/// process runs in the node's namespace, so the Pod says `hostNetwork` with
+/// podIP = node IP (the DaemonSet's pods have their own IP on the node, with
+/// hostPorts: the same node either way). Its token is bound to this pod on that
+/// node, as a DaemonSet pod's projected token is. Then the proxy process.
 pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
     let client = mesh.topology.cluster().client();
     let name = format!("strait-proxy-{}", node.name());
     let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "strait-system"},
+        "metadata": {"name": name, "namespace": "strait-system", "labels": {
+            "app.kubernetes.io/name": "strait-proxy", "app.kubernetes.io/part-of": "strait"}},
         "spec": {"nodeName": node.name(), "serviceAccountName": "strait-proxy",
-                 "containers": [{"name": "proxy", "image": "strait-proxy"}]},
+                 "hostNetwork": true,
+                 "containers": [{"name": "proxy", "image": "strait-proxy", "ports": [
+                     {"name": "outbound", "containerPort": 4140, "hostPort": 4140},
+                     {"name": "inbound", "containerPort": 4143, "hostPort": 4143},
+                     {"name": "admin", "containerPort": 4191}]}]},
     }))
     .unwrap();
     let pod = Api::<Pod>::namespaced(client.clone(), "strait-system")
@@ -68,6 +79,10 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         .await
         .unwrap();
     let uid = pod.metadata.uid.clone().unwrap();
+    let ip = IpAddr::V4(node.ip());
+    set_pod_ready(&client, "strait-system", &name, ip, Some(ip), false)
+        .await
+        .unwrap();
     let identity_token = token(
         &client,
         "strait-system",
@@ -120,6 +135,22 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
 /// The proxy's transparent-mode enrollment socket on `node`.
 pub fn enroll_socket(mesh: &Mesh, node: &NetNode) -> std::path::PathBuf {
     mesh.dir.path().join(node.name()).join("enroll.sock")
+}
+
+/// Marks the proxy Pod on `node` Ready (its `/ready` answered 200), so the
+/// `strait-proxy` Service's EndpointSlice lists it.
+pub async fn mark_proxy_ready(mesh: &Mesh, node: &NetNode, ready: bool) {
+    let ip = IpAddr::V4(node.ip());
+    set_pod_ready(
+        &mesh.topology.cluster().client(),
+        "strait-system",
+        &format!("strait-proxy-{}", node.name()),
+        ip,
+        Some(ip),
+        ready,
+    )
+    .await
+    .unwrap();
 }
 
 /// A pod on `node` running strait-backend as SA `web` with label `app`:
@@ -200,6 +231,11 @@ pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
         topology.cluster(),
         concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/proxy/rbac.yaml"),
     );
+    // The second way to reach the proxy (`internalTrafficPolicy: Local`).
+    strait_testenv::kubectl_apply(
+        topology.cluster(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/proxy/service.yaml"),
+    );
     for sa in ["web", "client"] {
         ensure_sa(&client, "shop", sa).await;
     }
@@ -236,18 +272,24 @@ pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
             }
         })
         .await;
+        mark_proxy_ready(&mesh, node, true).await;
     }
     mesh
 }
 
 /// The client pod (SA `client`) on node `node`.
 pub async fn add_client(mesh: &mut Mesh, node: usize) {
+    add_client_named(mesh, node, "client").await;
+}
+
+/// A client pod `name` (SA `client`) on node `node`.
+pub async fn add_client_named(mesh: &mut Mesh, node: usize, name: &str) {
     let client_pod = mesh
         .topology
-        .add_pod(node, "shop", "client", |p| p.with_service_account("client"))
+        .add_pod(node, "shop", name, |p| p.with_service_account("client"))
         .await
         .unwrap();
-    mesh.pods.insert("client".into(), (client_pod, None));
+    mesh.pods.insert(name.into(), (client_pod, None));
 }
 
 /// The standard test mesh: 3 nodes; each service has a pod on node 2 and one
@@ -278,15 +320,20 @@ pub fn pod<'a>(mesh: &'a Mesh, name: &str) -> &'a NetPod {
     &mesh.pods[name].0
 }
 
+/// curl in the client pod through its node's proxy (`http_proxy=http://$NODE_IP:4140`).
 pub fn curl(mesh: &Mesh, args: &[&str]) -> Output {
     let client = pod(mesh, "client");
     let proxy = format!("http://{}:4140", client.node().ip());
-    client
-        .command("curl")
-        .args(["-sS", "--max-time", "5", "-x", &proxy])
+    curl_via(client, &proxy, args)
+}
+
+/// curl in `pod` with `proxy` as its HTTP proxy.
+pub fn curl_via(pod: &NetPod, proxy: &str, args: &[&str]) -> Output {
+    pod.command("curl")
+        .args(["-sS", "--max-time", "5", "-x", proxy])
         .args(args)
         .output()
-        .expect("run curl in the client pod")
+        .expect("run curl in the pod")
 }
 
 /// The JSON answer's pod name (strait-backend answers `{"pod": …}`).
