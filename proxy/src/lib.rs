@@ -201,6 +201,12 @@ impl outbound::Destinations for MeshView {
         })
     }
 
+    fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool> {
+        self.discovery
+            .snapshot()
+            .transparent_wanted(namespace, name)
+    }
+
     fn local_pod_named(&self, namespace: &str, name: &str) -> Option<inbound::LocalPod> {
         self.discovery
             .snapshot()

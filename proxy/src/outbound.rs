@@ -71,6 +71,9 @@ pub trait Destinations: LocalPods {
     /// The pod `namespace/name` if it runs on this node (a pod enrolled in
     /// transparent mode is known by name, not by source address).
     fn local_pod_named(&self, namespace: &str, name: &str) -> Option<crate::inbound::LocalPod>;
+    /// Whether the pod `namespace/name` scheduled to this node asked for
+    /// transparent mode; `None` when no such pod is scheduled here.
+    fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool>;
 }
 
 #[derive(Debug, thiserror::Error)]

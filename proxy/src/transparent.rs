@@ -21,6 +21,11 @@
 //! connection comes from `SO_ORIGINAL_DST` (conntrack of the pod's
 //! namespace), and the caller is the enrolled pod itself: no address lookup.
 //!
+//! **Which pods.** Those annotated `strait.dev/transparent: enabled`, or in a
+//! namespace so annotated (a pod's `disabled` wins); the proxy decides from
+//! discovery, so the plugin needs no API access. Others are answered
+//! `captured: false` and left alone.
+//!
 //! **Enrollment.** Whoever sets up pod networking (a CNI plugin on a real
 //! node; testenv in tests) tells the proxy about a pod over a Unix socket
 //! that only root on the node can open: one JSON object per line,
@@ -44,6 +49,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::Drain;
+pub use crate::discovery::TRANSPARENT_ANNOTATION;
 use crate::dns::DnsResponder;
 use crate::outbound::Outbound;
 
@@ -53,6 +59,8 @@ pub const OUTBOUND_PORT: u16 = 15001;
 pub const DNS_PORT: u16 = 15053;
 /// The `nat` chain holding the pod's redirection rules.
 pub const CHAIN: &str = "STRAIT_OUTPUT";
+/// How long `add` waits for discovery to see a just-scheduled pod.
+const POD_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// The longest enrollment request line accepted.
 const MAX_REQUEST: usize = 4096;
 
@@ -74,6 +82,10 @@ pub enum EnrollRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnrollResponse {
     pub ok: bool,
+    /// For `add`: whether the pod's traffic is now captured (`false`: the pod
+    /// did not ask for it, see [`TRANSPARENT_ANNOTATION`]).
+    #[serde(default)]
+    pub captured: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -294,9 +306,17 @@ impl Transparent {
                     )),
                 }
             };
-            let response = EnrollResponse {
-                ok: answer.is_ok(),
-                error: answer.err(),
+            let response = match answer {
+                Ok(captured) => EnrollResponse {
+                    ok: true,
+                    captured,
+                    error: None,
+                },
+                Err(e) => EnrollResponse {
+                    ok: false,
+                    captured: false,
+                    error: Some(e),
+                },
             };
             let mut bytes = serde_json::to_vec(&response).expect("serializable");
             bytes.push(b'\n');
@@ -309,8 +329,8 @@ impl Transparent {
         }
     }
 
-    /// Applies one request.
-    pub async fn apply(&self, request: EnrollRequest) -> Result<(), String> {
+    /// Applies one request; for `add`, whether the pod is captured.
+    pub async fn apply(&self, request: EnrollRequest) -> Result<bool, String> {
         let _one = self.changes.lock().await;
         match request {
             EnrollRequest::Add {
@@ -318,11 +338,41 @@ impl Transparent {
                 name,
                 netns,
             } => self.add(namespace, name, netns).await,
-            EnrollRequest::Remove { namespace, name } => self.remove(&namespace, &name).await,
+            EnrollRequest::Remove { namespace, name } => {
+                self.remove(&namespace, &name).await.map(|()| false)
+            }
         }
     }
 
-    async fn add(&self, namespace: String, name: String, netns: PathBuf) -> Result<(), String> {
+    async fn add(&self, namespace: String, name: String, netns: PathBuf) -> Result<bool, String> {
+        // The plugin runs when the pod's sandbox is made, moments after the
+        // pod was scheduled here: give discovery a little time to see it.
+        let deadline = tokio::time::Instant::now() + POD_WAIT;
+        let wanted = loop {
+            match self
+                .outbound
+                .destinations
+                .transparent_wanted(&namespace, &name)
+            {
+                Some(wanted) => break wanted,
+                None if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                None => {
+                    return Err(format!(
+                        "pod {namespace}/{name} is not scheduled to node {} as far as the proxy \
+                         knows (waited {POD_WAIT:?}); is the proxy's discovery healthy?",
+                        self.outbound.node
+                    ));
+                }
+            }
+        };
+        if !wanted {
+            // Not asked for (or turned off): make sure nothing is left.
+            self.remove(&namespace, &name).await?;
+            tracing::debug!(pod = %format!("{namespace}/{name}"), "not enrolled: {TRANSPARENT_ANNOTATION} is not enabled");
+            return Ok(false);
+        }
         let key = (namespace.clone(), name.clone());
         // Replacing: close the old sockets first so the ports are free.
         let old = self
@@ -359,7 +409,7 @@ impl Transparent {
                 tasks: vec![tcp_task, dns_task],
             },
         );
-        Ok(())
+        Ok(true)
     }
 
     async fn remove(&self, namespace: &str, name: &str) -> Result<(), String> {
@@ -390,8 +440,8 @@ impl Transparent {
 }
 
 /// The client side of enrollment (what a CNI plugin does): one request on
-/// the proxy's socket, its answer.
-pub async fn enroll(socket: &Path, request: &EnrollRequest) -> Result<(), String> {
+/// the proxy's socket, its answer (for `add`: whether the pod is captured).
+pub async fn enroll(socket: &Path, request: &EnrollRequest) -> Result<bool, String> {
     let mut stream = UnixStream::connect(socket).await.map_err(|e| {
         format!(
             "connecting to the proxy's enrollment socket {}: {e}",
@@ -409,7 +459,9 @@ pub async fn enroll(socket: &Path, request: &EnrollRequest) -> Result<(), String
     let response: EnrollResponse =
         serde_json::from_str(&answer).map_err(|e| format!("the proxy answered {answer:?}: {e}"))?;
     match response {
-        EnrollResponse { ok: true, .. } => Ok(()),
+        EnrollResponse {
+            ok: true, captured, ..
+        } => Ok(captured),
         EnrollResponse { error, .. } => Err(error.unwrap_or_else(|| "refused".into())),
     }
 }

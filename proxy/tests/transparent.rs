@@ -60,6 +60,41 @@ fn tcp_exchange(pod: &strait_testenv::NetPod, host: &str, port: u16, send: &str)
     run(pod, "python3", &["-c", &script])
 }
 
+/// Runs the chained CNI plugin as a container runtime does: the pod in
+/// CNI_ARGS, its namespace in CNI_NETNS, the network config (with the
+/// previous plugin's result) on stdin.
+fn strait_cni(command: &str, pod: &strait_testenv::NetPod, socket: &Path) -> Output {
+    use std::io::Write;
+    let conf = json!({
+        "cniVersion": "1.0.0", "name": "k8s-pod-network", "type": "strait-cni",
+        "enrollSocket": socket,
+        "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": format!("{}/32", pod.ip())}]},
+    });
+    let mut cni = std::process::Command::new(strait_testenv::workspace_binary("strait-cni"))
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", "test")
+        .env("CNI_NETNS", netns_of(pod))
+        .env("CNI_IFNAME", "eth0")
+        .env(
+            "CNI_ARGS",
+            format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME={}",
+                pod.name()
+            ),
+        )
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run strait-cni");
+    cni.stdin
+        .take()
+        .unwrap()
+        .write_all(conf.to_string().as_bytes())
+        .unwrap();
+    cni.wait_with_output().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
     let Some(mut mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
@@ -81,7 +116,10 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
         .unwrap();
     let app = mesh
         .topology
-        .add_pod(0, "shop", "app", |p| p.with_service_account("client"))
+        .add_pod(0, "shop", "app", |p| {
+            p.with_service_account("client")
+                .with_annotation("strait.dev/transparent", "enabled")
+        })
         .await
         .unwrap();
     let node = app.node().clone();
@@ -100,16 +138,16 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
         text(&before)
     );
 
-    enroll(
-        &socket,
-        &EnrollRequest::Add {
-            namespace: "shop".into(),
-            name: "app".into(),
-            netns: netns_of(&app),
-        },
-    )
-    .await
-    .expect("enroll the pod");
+    // Enrolled the way a container runtime does it: the chained CNI plugin
+    // with the pod in CNI_ARGS, the previous plugin's result passed through.
+    let out = strait_cni("ADD", &app, &socket);
+    assert!(out.status.success(), "strait-cni ADD: {}", text(&out));
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        result["ips"][0]["address"],
+        format!("{}/32", app.ip()),
+        "the previous result passes through"
+    );
     let rules = text(&run(&app, "iptables", &["-w", "-t", "nat", "-S"]));
     assert!(
         rules.contains("-A OUTPUT -j STRAIT_OUTPUT") && rules.contains("--to-ports 15001"),
@@ -223,16 +261,9 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
     }
     assert!(inbound >= 1.0, "peers saw the caller's identity");
 
-    // Removal: rules gone, the pod is on its own again.
-    enroll(
-        &socket,
-        &EnrollRequest::Remove {
-            namespace: "shop".into(),
-            name: "app".into(),
-        },
-    )
-    .await
-    .expect("remove the pod");
+    // Removal (CNI DEL): rules gone, the pod is on its own again.
+    let out = strait_cni("DEL", &app, &socket);
+    assert!(out.status.success(), "strait-cni DEL: {}", text(&out));
     let rules = text(&run(&app, "iptables", &["-w", "-t", "nat", "-S"]));
     assert!(!rules.contains("STRAIT_OUTPUT"), "rules removed: {rules}");
     let after = tcurl(&app, &["--max-time", "2", &format!("http://{cluster_ip}/")]);
@@ -253,18 +284,6 @@ async fn enrollment_refuses_bad_requests_and_keeps_serving() {
         0o600,
         "only root on the node may enroll pods"
     );
-    // A namespace that does not exist: a clear error, nothing half-done.
-    let err = enroll(
-        &socket,
-        &EnrollRequest::Add {
-            namespace: "shop".into(),
-            name: "ghost".into(),
-            netns: "/proc/nonexistent/ns/net".into(),
-        },
-    )
-    .await
-    .unwrap_err();
-    assert!(err.contains("network namespace"), "{err}");
     // Garbage on the socket: an answer that says what to send.
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -278,14 +297,62 @@ async fn enrollment_refuses_bad_requests_and_keeps_serving() {
         line.contains("\"ok\":false") && line.contains("op"),
         "{line}"
     );
+    // A pod that did not ask for transparent mode is left alone.
+    let plain = mesh
+        .topology
+        .add_pod(0, "shop", "plain", |p| p.with_service_account("client"))
+        .await
+        .unwrap();
+    let captured = enroll(
+        &socket,
+        &EnrollRequest::Add {
+            namespace: "shop".into(),
+            name: "plain".into(),
+            netns: netns_of(&plain),
+        },
+    )
+    .await
+    .expect("enroll answers");
+    assert!(!captured, "not annotated: not captured");
+    let rules = text(&run(&plain, "iptables", &["-w", "-t", "nat", "-S"]));
+    assert!(!rules.contains("STRAIT_OUTPUT"), "{rules}");
+    // A pod the proxy does not know on its node: refused, saying why.
+    let err = enroll(
+        &socket,
+        &EnrollRequest::Add {
+            namespace: "shop".into(),
+            name: "elsewhere".into(),
+            netns: netns_of(&plain),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("not scheduled to node"), "{err}");
+    mesh.pods.insert("plain".into(), (plain, None));
+
     // Enrolling twice replaces the first enrollment (the ports are reused).
     let app = mesh
         .topology
-        .add_pod(0, "shop", "again", |p| p.with_service_account("client"))
+        .add_pod(0, "shop", "again", |p| {
+            p.with_service_account("client")
+                .with_annotation("strait.dev/transparent", "enabled")
+        })
         .await
         .unwrap();
+    // A network namespace that does not exist: a clear error, nothing half-done.
+    let err = enroll(
+        &socket,
+        &EnrollRequest::Add {
+            namespace: "shop".into(),
+            name: "again".into(),
+            netns: "/proc/nonexistent/ns/net".into(),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("network namespace"), "{err}");
     for _ in 0..2 {
-        enroll(
+        let captured = enroll(
             &socket,
             &EnrollRequest::Add {
                 namespace: "shop".into(),
@@ -295,6 +362,7 @@ async fn enrollment_refuses_bad_requests_and_keeps_serving() {
         )
         .await
         .expect("enroll (again)");
+        assert!(captured);
     }
     let rules = text(&run(&app, "iptables", &["-w", "-t", "nat", "-S", "OUTPUT"]));
     assert_eq!(

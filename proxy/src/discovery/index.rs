@@ -58,6 +58,27 @@ pub struct Snapshot {
     dns: HashMap<(String, String), Vec<IpAddr>>,
     /// Namespaces with a `strait.dev/opaque-ports` annotation.
     namespace_ports: HashMap<String, OpaquePorts>,
+    /// Pods scheduled to this node (with or without an IP yet) → whether
+    /// they asked for transparent mode ([`TRANSPARENT_ANNOTATION`]).
+    transparent: HashMap<(String, String), bool>,
+}
+
+/// Pod or Namespace annotation: `enabled` puts the pod's traffic through the
+/// node proxy transparently (when the node's CNI plugin enrolls it);
+/// `disabled` on a pod overrides its namespace. Default: disabled.
+pub const TRANSPARENT_ANNOTATION: &str = "strait.dev/transparent";
+
+fn transparent_value(annotations: &BTreeMap<String, String>) -> Option<bool> {
+    match annotations.get(TRANSPARENT_ANNOTATION)?.trim() {
+        "enabled" | "true" => Some(true),
+        "disabled" | "false" => Some(false),
+        other => {
+            tracing::debug!(
+                "{TRANSPARENT_ANNOTATION}: {other:?} is neither enabled nor disabled; ignored"
+            );
+            None
+        }
+    }
 }
 
 impl Snapshot {
@@ -96,6 +117,24 @@ impl Snapshot {
             })
             .collect();
         let defaults = OpaquePorts::defaults();
+        let namespace_transparent: HashMap<String, bool> = namespaces
+            .iter()
+            .filter_map(|ns| Some((ns.name_any(), transparent_value(ns.annotations())?)))
+            .collect();
+        let transparent: HashMap<(String, String), bool> = pods
+            .iter()
+            .filter(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                    == Some(config.node_name.as_str())
+            })
+            .filter_map(|p| {
+                let ns = p.metadata.namespace.clone()?;
+                let wanted = transparent_value(p.annotations())
+                    .or_else(|| namespace_transparent.get(&ns).copied())
+                    .unwrap_or(false);
+                Some(((ns, p.name_any()), wanted))
+            })
+            .collect();
         let node_proxies: HashMap<String, SocketAddr> = nodes
             .iter()
             .filter_map(|n| {
@@ -231,6 +270,7 @@ impl Snapshot {
             node_proxies,
             dns,
             namespace_ports,
+            transparent,
         }
     }
 
@@ -276,6 +316,14 @@ impl Snapshot {
             .get(&ip)
             .filter(|p| p.node == self.node_name)
             .cloned()
+    }
+
+    /// Whether the pod `namespace/name`, scheduled to this node, asked for
+    /// transparent mode; `None` when no such pod is scheduled here (yet).
+    pub fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool> {
+        self.transparent
+            .get(&(namespace.to_string(), name.to_string()))
+            .copied()
     }
 
     /// The ports of `pod` that skip detection: its own list, else its

@@ -22,7 +22,9 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-pub use index::{IndexConfig, SERVICE_NAME_LABEL, Snapshot, pod_info, slice_port};
+pub use index::{
+    IndexConfig, SERVICE_NAME_LABEL, Snapshot, TRANSPARENT_ANNOTATION, pod_info, slice_port,
+};
 pub use model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
