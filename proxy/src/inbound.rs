@@ -12,7 +12,7 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
 use strait_mesh::tunnel::{
-    DEFAULT_READ_TIMEOUT, ResponseStatus, Target, TunnelHeader, TunnelResponse,
+    DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -203,12 +203,113 @@ impl Inbound {
             .map_err(|e| format!("answering {client}: {e}"))?;
         let labels = TcpLabels::inbound(&client, &pod);
         self.metrics.tcp_open(&labels);
-        let mut upstream = upstream;
-        let result = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
-        let (from_client, to_client) = result.unwrap_or((0, 0));
-        self.metrics.tcp_close(&labels, from_client, to_client);
-        Ok(())
+        match header.protocol {
+            // The sender detected HTTP (or was told by its client): no second
+            // detection here. Requests are counted per caller, and the pod
+            // learns who called (CLIENT_ID_HEADER), which no one else can set.
+            Protocol::Http1 | Protocol::Http2 => {
+                let result = serve_http(
+                    tls,
+                    upstream,
+                    header.protocol,
+                    &client,
+                    self.metrics.clone(),
+                    labels.clone(),
+                )
+                .await;
+                self.metrics.tcp_close(&labels, 0, 0);
+                result
+            }
+            Protocol::Opaque => {
+                let mut upstream = upstream;
+                let result = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
+                let (from_client, to_client) = result.unwrap_or((0, 0));
+                self.metrics.tcp_close(&labels, from_client, to_client);
+                Ok(())
+            }
+        }
     }
+}
+
+/// Request header naming the caller's SPIFFE ID, set by the node proxy that
+/// delivers the request to the pod (any value the caller sent is replaced).
+pub const CLIENT_ID_HEADER: &str = "strait-client-id";
+
+/// HTTP over one tunnel to one pod connection, in the tunnel's version.
+async fn serve_http(
+    tls: tokio_rustls::server::TlsStream<TcpStream>,
+    upstream: TcpStream,
+    protocol: Protocol,
+    client: &SpiffeId,
+    metrics: ProxyMetrics,
+    labels: TcpLabels,
+) -> Result<(), String> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let client_id = http::HeaderValue::from_str(&client.to_string())
+        .map_err(|e| format!("caller identity as a header: {e}"))?;
+    let pod = upstream.peer_addr().ok();
+    let sender = match protocol {
+        Protocol::Http2 => {
+            let (sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(upstream))
+                    .await
+                    .map_err(|e| format!("HTTP/2 to pod {pod:?}: {e}"))?;
+            tokio::spawn(conn);
+            PodSender::H2(sender)
+        }
+        _ => {
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
+                .await
+                .map_err(|e| format!("HTTP/1 to pod {pod:?}: {e}"))?;
+            tokio::spawn(conn);
+            PodSender::H1(Arc::new(tokio::sync::Mutex::new(sender)))
+        }
+    };
+    let service =
+        hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let (sender, metrics, labels, client_id) = (
+                sender.clone(),
+                metrics.clone(),
+                labels.clone(),
+                client_id.clone(),
+            );
+            async move {
+                req.headers_mut().insert(CLIENT_ID_HEADER, client_id);
+                metrics.request(&labels);
+                let started = std::time::Instant::now();
+                let result = match sender {
+                    PodSender::H1(s) => s.lock().await.send_request(req).await,
+                    PodSender::H2(mut s) => s.send_request(req).await,
+                };
+                metrics.response(
+                    &labels,
+                    result.as_ref().ok().map(|r| r.status()),
+                    started.elapsed().as_secs_f64(),
+                );
+                result
+            }
+        });
+    let io = TokioIo::new(tls);
+    let served = match protocol {
+        Protocol::Http2 => {
+            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(io, service)
+                .await
+        }
+        _ => {
+            hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .await
+        }
+    };
+    served.map_err(|e| format!("HTTP in the tunnel: {e}"))
+}
+
+#[derive(Clone)]
+enum PodSender {
+    /// One HTTP/1 connection: requests in turn.
+    H1(Arc<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<hyper::body::Incoming>>>),
+    H2(hyper::client::conn::http2::SendRequest<hyper::body::Incoming>),
 }
 
 /// The SPIFFE ID a local pod runs as.

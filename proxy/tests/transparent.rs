@@ -201,6 +201,22 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
         "both pods served: {seen:?}"
     );
 
+    // The pod that served it learns who called, from the proxy that
+    // delivered it: a caller's own claim is replaced.
+    let out = tcurl(
+        &app,
+        &[
+            "-H",
+            "strait-client-id: spiffe://cluster.local/ns/shop/sa/admin",
+            "http://web.shop.svc.cluster.local/who",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["headers"]["strait-client-id"], "spiffe://cluster.local/ns/shop/sa/client",
+        "{v}"
+    );
+
     // The ClusterIP directly, and HTTP/2 with prior knowledge (stays HTTP/2).
     let out = tcurl(&app, &[&format!("http://{cluster_ip}/by-ip")]);
     assert!(answered_by(&out).is_ok(), "{}", text(&out));
@@ -250,16 +266,20 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
         requests >= 62.0,
         "outbound requests counted: {requests}\n{metrics}"
     );
-    let mut inbound = 0.0;
+    let (mut inbound, mut inbound_requests) = (0.0, 0.0);
     for n in 1..3 {
         let m = proxy_metrics(mesh.topology.node(n).unwrap()).await;
-        inbound += metric_sum(
-            &m,
-            "tcp_open_total",
-            &["direction=\"inbound\"", "src_workload=\"client\""],
-        );
+        let caller = ["direction=\"inbound\"", "src_workload=\"client\""];
+        inbound += metric_sum(&m, "tcp_open_total", &caller);
+        inbound_requests += metric_sum(&m, "request_total", &caller);
     }
     assert!(inbound >= 1.0, "peers saw the caller's identity");
+    // HTTP tunnels are served as HTTP on the receiving side too (the header's
+    // protocol hint; no second detection): each request counted there.
+    assert!(
+        inbound_requests >= 62.0,
+        "inbound requests per caller: {inbound_requests}"
+    );
 
     // Removal (CNI DEL): rules gone, the pod is on its own again.
     let out = strait_cni("DEL", &app, &socket);
