@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use strait_proxy::detect::{
+use strait_mesh::detect::{
     Detection, H2_PREFACE, MAX_DETECT_BYTES, MAX_METHOD_LEN, Protocol, classify, skip_detection,
 };
 

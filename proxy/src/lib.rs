@@ -13,8 +13,6 @@
 #![forbid(unsafe_code)]
 
 pub mod balance;
-pub mod detect;
-pub mod discovery;
 pub mod dns;
 pub mod identity;
 pub mod inbound;
@@ -22,6 +20,10 @@ pub mod metrics;
 pub mod outbound;
 pub mod retry;
 pub mod transparent;
+
+// Shared with the gateway; re-exported so `strait_proxy::detect` and
+// `strait_proxy::discovery` keep working.
+pub use strait_mesh::{detect, discovery};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

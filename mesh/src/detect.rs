@@ -42,15 +42,15 @@ mod opaque_ports;
 
 use std::time::Duration;
 
+/// The protocols detection tells apart; the same hint the tunnel header
+/// carries to the next hop, so the receiver need not detect again.
+pub use crate::tunnel::Protocol;
 pub use classify::{Detection, H2_PREFACE, MAX_DETECT_BYTES, MAX_METHOD_LEN, classify};
 pub use io::{PrefixedIo, detect};
 pub use opaque_ports::{
     DEFAULT_OPAQUE_PORTS, EntryProblem, OPAQUE_PORTS_ANNOTATION, OpaqueDecision, OpaquePorts,
     OpaquePortsError, PortsSource, skip_detection,
 };
-/// The protocols detection tells apart; the same hint the tunnel header
-/// carries to the next hop, so the receiver need not detect again.
-pub use strait_mesh::tunnel::Protocol;
 
 /// How long [`detect`] waits for the client's first bytes by default:
 /// Linkerd's 10 s, long enough for a slow client, short enough that a

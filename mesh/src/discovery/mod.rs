@@ -22,13 +22,13 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use crate::identity::SpiffeId;
 pub use index::{
     IndexConfig, SERVICE_NAME_LABEL, Snapshot, TRANSPARENT_ANNOTATION, pod_info, slice_port,
 };
 pub use model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
-use strait_mesh::identity::SpiffeId;
 
 /// Discovery settings.
 #[derive(Clone, Debug)]

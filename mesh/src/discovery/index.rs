@@ -6,13 +6,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use crate::identity::SpiffeId;
+use crate::link::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
+};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
-use strait_mesh::identity::SpiffeId;
-use strait_mesh::link::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
-};
 
 use super::model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
