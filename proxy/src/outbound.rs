@@ -23,14 +23,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::protocol::PodRef;
-use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse};
+use strait_mesh::tunnel::{Protocol, ResponseStatus};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::client::TlsStream;
 
 use crate::Drain;
 use crate::balance::Balancer;
 use crate::detect::{DEFAULT_DETECT_TIMEOUT, OpaquePorts, PrefixedIo, detect};
-use crate::identity::{PodIdentities, server_name_for};
+use crate::identity::PodIdentities;
 use crate::inbound::LocalPods;
 use crate::metrics::{ProxyMetrics, TcpLabels};
 use crate::retry::{BudgetConfig, RetryBudget};
@@ -76,91 +76,26 @@ pub trait Destinations: LocalPods {
     fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool>;
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum TunnelError {
-    #[error(
-        "connecting to node proxy {node}: {source}; is strait-proxy running there and port 4143 open?"
-    )]
-    Connect {
-        node: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("mutual TLS with node proxy {node} for {identity}: {source}")]
-    Tls {
-        node: SocketAddr,
-        identity: SpiffeId,
-        source: std::io::Error,
-    },
-    #[error("node proxy {node} refused {target}: {} ({message})", status.reason())]
-    Refused {
-        node: SocketAddr,
-        target: SocketAddr,
-        status: ResponseStatus,
-        message: String,
-    },
-    #[error("tunnel to {node}: {0}", node = .1)]
-    Protocol(String, SocketAddr),
-    #[error("no TLS configuration: {0}")]
-    Config(String),
-}
+pub use strait_mesh::tunnel::client::TunnelError;
+use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, open_to_pod};
 
-impl TunnelError {
-    /// Whether another endpoint may be tried (no byte reached the target).
-    pub fn retryable(&self) -> bool {
-        match self {
-            TunnelError::Connect { .. } | TunnelError::Tls { .. } => true,
-            TunnelError::Refused { status, .. } => status.retryable(),
-            _ => false,
-        }
-    }
-}
-
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Opens a tunnel to `endpoint` as `source`: TCP to its node proxy, mutual
-/// TLS (we present `source`, the server must be `endpoint.identity`), the
+/// Opens a tunnel to `endpoint` as the caller the config presents: TCP to its
+/// node proxy, mutual TLS (the server must be `endpoint.identity`), the
 /// header, and the peer's answer. Returns the stream ready for app bytes.
 pub async fn open_tunnel(
     config: Arc<rustls::ClientConfig>,
     endpoint: &Endpoint,
     protocol: Protocol,
 ) -> Result<TlsStream<TcpStream>, TunnelError> {
-    let node = endpoint.node_proxy;
-    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(node))
-        .await
-        .map_err(|_| TunnelError::Connect {
-            node,
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
-        })?
-        .map_err(|source| TunnelError::Connect { node, source })?;
-    let _ = tcp.set_nodelay(true);
-    let mut tls = tokio_rustls::TlsConnector::from(config)
-        .connect(server_name_for(&endpoint.identity), tcp)
-        .await
-        .map_err(|source| TunnelError::Tls {
-            node,
-            identity: endpoint.identity.clone(),
-            source,
-        })?;
-    let target =
-        Target::pod(endpoint.addr).map_err(|e| TunnelError::Protocol(e.to_string(), node))?;
-    TunnelHeader::new(target, protocol)
-        .write_to(&mut tls)
-        .await
-        .map_err(|e| TunnelError::Protocol(format!("sending the header: {e}"), node))?;
-    let answer = TunnelResponse::read_from(&mut tls, RESPONSE_TIMEOUT)
-        .await
-        .map_err(|e| TunnelError::Protocol(format!("reading the answer: {e}"), node))?;
-    if !answer.is_ok() {
-        return Err(TunnelError::Refused {
-            node,
-            target: endpoint.addr,
-            status: answer.status,
-            message: answer.message,
-        });
-    }
-    Ok(tls)
+    open_to_pod(
+        config,
+        endpoint.node_proxy,
+        endpoint.addr,
+        &endpoint.identity,
+        protocol,
+        None,
+    )
+    .await
 }
 
 /// Client configs by (source, destination), built once: building one
@@ -865,7 +800,7 @@ impl tower_service::Service<Uri> for TunnelConnector {
                     .endpoint(addr)
                     .ok_or_else(|| TunnelError::Refused {
                         node: addr,
-                        target: addr,
+                        target: addr.to_string(),
                         status: ResponseStatus::NotFound,
                         message: "the pod is gone".into(),
                     })?;

@@ -67,11 +67,14 @@
 //! right after the header (no extra round trip) as long as it keeps what it
 //! needs to retry, or wait for the response first.
 
+pub mod client;
 pub mod header;
+mod names;
 mod response;
 mod wire;
 
 pub use header::{Fqdn, MAX_FQDN_BYTES, Protocol, Target, TunnelHeader};
+pub use names::{TUNNEL_ALPN, parse_server_name, server_name_for};
 pub use response::{MAX_MESSAGE_BYTES, ResponseStatus, TunnelResponse};
 pub use wire::{
     CRITICAL, DEFAULT_READ_TIMEOUT, HeaderError, Kind, MAGIC, MAX_HEADER_BYTES, VERSION,

@@ -1,0 +1,121 @@
+//! The sending side of a tunnel: connect, mutual TLS, the header, the
+//! receiver's answer. Node proxies call node proxies with it, and the gateway
+//! calls its cluster's node proxies on behalf of a remote caller.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse, server_name_for};
+use crate::identity::SpiffeId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TunnelError {
+    #[error(
+        "connecting to {node}: {source}; is the Strait proxy or gateway running there and its port open?"
+    )]
+    Connect {
+        node: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("mutual TLS with {node} for {identity}: {source}")]
+    Tls {
+        node: SocketAddr,
+        identity: SpiffeId,
+        source: std::io::Error,
+    },
+    #[error("{node} refused {target}: {} ({message})", status.reason())]
+    Refused {
+        node: SocketAddr,
+        target: String,
+        status: ResponseStatus,
+        message: String,
+    },
+    #[error("tunnel to {node}: {0}", node = .1)]
+    Protocol(String, SocketAddr),
+    #[error("no TLS configuration: {0}")]
+    Config(String),
+}
+
+impl TunnelError {
+    /// Whether another endpoint may be tried (no byte reached the target).
+    pub fn retryable(&self) -> bool {
+        match self {
+            TunnelError::Connect { .. } | TunnelError::Tls { .. } => true,
+            TunnelError::Refused { status, .. } => status.retryable(),
+            _ => false,
+        }
+    }
+}
+
+/// How long a TCP connect may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long the receiver may take to answer the header.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sends `header` on an established stream and reads the receiver's answer;
+/// the stream is then ready for application bytes. `node` names the peer in
+/// errors.
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    header: &TunnelHeader,
+    node: SocketAddr,
+) -> Result<S, TunnelError> {
+    header
+        .write_to(&mut stream)
+        .await
+        .map_err(|e| TunnelError::Protocol(format!("sending the header: {e}"), node))?;
+    let answer = TunnelResponse::read_from(&mut stream, RESPONSE_TIMEOUT)
+        .await
+        .map_err(|e| TunnelError::Protocol(format!("reading the answer: {e}"), node))?;
+    if !answer.is_ok() {
+        return Err(TunnelError::Refused {
+            node,
+            target: match &header.target {
+                Target::Pod { addr } => addr.to_string(),
+                Target::Service { fqdn, port } => format!("{}:{port}", fqdn.as_str()),
+            },
+            status: answer.status,
+            message: answer.message,
+        });
+    }
+    Ok(stream)
+}
+
+/// Opens a tunnel to `pod` through the node proxy at `node`: TCP, mutual TLS
+/// (the config presents the caller; the server must be `identity`, named in
+/// SNI), the header (with `source` when speaking for someone else), and the
+/// answer.
+pub async fn open_to_pod(
+    config: Arc<rustls::ClientConfig>,
+    node: SocketAddr,
+    pod: SocketAddr,
+    identity: &SpiffeId,
+    protocol: Protocol,
+    source: Option<SpiffeId>,
+) -> Result<TlsStream<TcpStream>, TunnelError> {
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(node))
+        .await
+        .map_err(|_| TunnelError::Connect {
+            node,
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+        })?
+        .map_err(|source| TunnelError::Connect { node, source })?;
+    let _ = tcp.set_nodelay(true);
+    let tls = tokio_rustls::TlsConnector::from(config)
+        .connect(server_name_for(identity), tcp)
+        .await
+        .map_err(|source| TunnelError::Tls {
+            node,
+            identity: identity.clone(),
+            source,
+        })?;
+    let target = Target::pod(pod).map_err(|e| TunnelError::Protocol(e.to_string(), node))?;
+    let mut header = TunnelHeader::new(target, protocol);
+    header.source = source;
+    handshake(tls, &header, node).await
+}
