@@ -19,7 +19,7 @@ use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::protocol::PodRef;
@@ -78,6 +78,15 @@ pub trait Destinations: LocalPods {
 
 pub use strait_mesh::tunnel::client::TunnelError;
 use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, open_to_pod};
+
+/// How long a pod may take to send a request head, and how long a kept-alive
+/// connection may sit idle between requests (hyper's default, which needs a
+/// timer to apply): a silent or trickling client cannot hold a connection.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A connection's HTTP/1 read buffer and write buffer are each at most this
+/// large; a longer request head is answered 431 and the connection closed.
+/// (hyper's default is ~400 KiB; Envoy allows 60 KiB of headers.)
+const MAX_BUF_SIZE: usize = 64 * 1024;
 
 /// Opens a tunnel to `endpoint` as the caller the config presents: TCP to its
 /// node proxy, mutual TLS (the server must be `endpoint.identity`), the
@@ -184,29 +193,44 @@ impl Outbound {
 
     /// Serves the node's pods until the drain starts.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+        let draining = drain.clone();
         crate::serve_connections(listener, drain, "outbound", move |stream, peer| {
-            self.clone().handle(stream, peer)
+            self.clone().handle(stream, peer, draining.clone())
         })
         .await
     }
 
-    async fn handle(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+    /// One pod's connection. When the drain starts, a request in flight is
+    /// answered and then the connection closes (an idle keep-alive connection
+    /// closes at once), so pooling clients do not hold the drain open.
+    async fn handle(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, drain: Drain) {
         let caller = self.caller(peer.ip()).await;
         let this = self.clone();
+        let tunnels = drain.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let (this, caller) = (this.clone(), caller.clone());
+            let (this, caller, tunnels) = (this.clone(), caller.clone(), tunnels.clone());
             async move {
                 let response = match caller {
-                    Ok(caller) => this.route(req, caller).await,
+                    Ok(caller) => this.route(req, caller, &tunnels).await,
                     Err(message) => text(StatusCode::FORBIDDEN, message),
                 };
                 Ok::<_, Infallible>(response)
             }
         });
-        let served = hyper::server::conn::http1::Builder::new()
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .max_buf_size(MAX_BUF_SIZE)
             .serve_connection(TokioIo::new(stream), service)
-            .with_upgrades()
-            .await;
+            .with_upgrades();
+        tokio::pin!(connection);
+        let served = tokio::select! {
+            served = connection.as_mut() => served,
+            _ = drain.signaled() => {
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+        };
         if let Err(e) = served {
             tracing::debug!(%peer, "outbound connection: {e}");
         }
@@ -222,6 +246,7 @@ impl Outbound {
         mut stream: TcpStream,
         namespace: String,
         name: String,
+        drain: Drain,
     ) {
         let original = match socket2::SockRef::from(&stream).original_dst_v4() {
             Ok(addr) => addr.as_socket(),
@@ -298,16 +323,35 @@ impl Outbound {
                         Ok::<_, Infallible>(response)
                     }
                 });
+                // The HTTP proxy's limits; on drain, finish what is in flight.
                 let io = TokioIo::new(io);
                 let served = if protocol == Protocol::Http2 {
-                    hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(io, service)
-                        .await
+                    let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .timer(TokioTimer::new())
+                        .serve_connection(io, service);
+                    tokio::pin!(connection);
+                    tokio::select! {
+                        served = connection.as_mut() => served,
+                        _ = drain.signaled() => {
+                            connection.as_mut().graceful_shutdown();
+                            connection.await
+                        }
+                    }
                 } else {
-                    hyper::server::conn::http1::Builder::new()
+                    let connection = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HEADER_READ_TIMEOUT)
+                        .max_buf_size(MAX_BUF_SIZE)
                         .serve_connection(io, service)
-                        .with_upgrades()
-                        .await
+                        .with_upgrades();
+                    tokio::pin!(connection);
+                    tokio::select! {
+                        served = connection.as_mut() => served,
+                        _ = drain.signaled() => {
+                            connection.as_mut().graceful_shutdown();
+                            connection.await
+                        }
+                    }
                 };
                 if let Err(e) = served {
                     tracing::debug!(%original, "transparent connection: {e}");
@@ -354,7 +398,7 @@ impl Outbound {
         Ok(Caller { identity })
     }
 
-    async fn route(&self, req: Request<Incoming>, caller: Caller) -> Response<Body> {
+    async fn route(&self, req: Request<Incoming>, caller: Caller, drain: &Drain) -> Response<Body> {
         let target = if req.method() == http::Method::CONNECT {
             req.uri().authority().cloned()
         } else {
@@ -386,7 +430,7 @@ impl Outbound {
             Err(e) => return text(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         if req.method() == http::Method::CONNECT {
-            self.connect(req, caller, resolved.endpoints).await
+            self.connect(req, caller, resolved.endpoints, drain).await
         } else {
             let destination = format!("{}:{port}", authority.host());
             self.forward_within(req, caller, resolved, &destination)
@@ -418,18 +462,22 @@ impl Outbound {
     }
 
     /// CONNECT: open the tunnel first (so failures are a 502, not a reset),
-    /// then answer 200 and splice.
+    /// then answer 200 and splice. The splice outlives the HTTP connection
+    /// (hyper hands the bytes over), so it holds a drain guard of its own.
     async fn connect(
         &self,
         req: Request<Incoming>,
         caller: Caller,
         endpoints: Vec<Endpoint>,
+        drain: &Drain,
     ) -> Response<Body> {
         match self.open_any(&caller, &endpoints, Protocol::Opaque).await {
             Ok((tunnel, endpoint)) => {
                 let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
                 let metrics = self.metrics.clone();
+                let guard = drain.guard();
                 tokio::spawn(async move {
+                    let _guard = guard;
                     let Ok(upgraded) = hyper::upgrade::on(req).await else {
                         return;
                     };

@@ -389,7 +389,7 @@ impl Transparent {
         let tcp = tokio::net::TcpListener::from_std(sockets.tcp).map_err(|e| e.to_string())?;
         let dns = tokio::net::UdpSocket::from_std(sockets.dns).map_err(|e| e.to_string())?;
         let outbound = self.outbound.clone();
-        let (ns, pod) = (namespace.clone(), name.clone());
+        let (ns, pod, drain) = (namespace.clone(), name.clone(), self.drain.clone());
         let tcp_task = tokio::spawn(crate::serve_connections(
             tcp,
             self.drain.clone(),
@@ -397,7 +397,7 @@ impl Transparent {
             move |stream, _peer| {
                 outbound
                     .clone()
-                    .handle_transparent(stream, ns.clone(), pod.clone())
+                    .handle_transparent(stream, ns.clone(), pod.clone(), drain.clone())
             },
         ));
         let dns_task = tokio::spawn(crate::dns::serve_udp(dns, self.dns.clone()));

@@ -35,7 +35,6 @@ pub fn parse_server_name(name: &str) -> Option<(String, String)> {
     (!sa.is_empty() && !ns.is_empty()).then(|| (ns.into(), sa.into()))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,258 @@
+//! Single-stream bulk throughput (root; testenv nodes as network namespaces):
+//! iperf3 over loopback in one network namespace (the ceiling), pod to pod
+//! directly, pod to pod through socat alone (what the CONNECT shim costs), and
+//! through CONNECT on the node proxy pair (mTLS between the nodes): client pod
+//! on node 1 → socat (`PROXY:` = CONNECT) → strait-proxy → strait-proxy on
+//! node 2 → iperf3 server pod. Both of iperf3's connections, control and data,
+//! go through CONNECT. Reports Gbit/s and the proxies' CPU seconds.
+//!
+//!     bash scripts/bench-bulk.sh
+//!
+//! (installs iperf3 and socat, builds the release binaries, then runs
+//! `cargo bench -p strait-proxy --bench bulk` with `STRAIT_PROXY_LOG=warn`;
+//! `STRAIT_BENCH_SECS=10`.)
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use kube::Api;
+use kube::api::PostParams;
+use serde_json::json;
+use strait_testenv::NetPod;
+use strait_testenv::process::{ChildProcess, cpu_seconds};
+use strait_testenv::wait::eventually;
+
+use common::*;
+
+const IPERF_PORT: u16 = 5201;
+/// Where socat listens in the client pod (loopback) and the loopback server.
+const SHIM_PORT: u16 = 15201;
+const LOOPBACK_PORT: u16 = 5202;
+/// socat's copy buffer (its default is 8 KiB), so the shim is not the limit.
+const SOCAT_BUFFER: &str = "131072";
+
+struct Run {
+    label: &'static str,
+    gbits: f64,
+    retransmits: u64,
+    proxy_cpu: f64,
+    shim_cpu: f64,
+}
+
+fn spawn(pod: &NetPod, mesh: &Mesh, name: &str, program: &str, args: &[String]) -> ChildProcess {
+    pod.spawn(
+        name,
+        Path::new(program),
+        args,
+        &[],
+        &mesh.dir.path().join(format!("{name}.log")),
+    )
+    .unwrap_or_else(|e| panic!("run {program} (scripts/bench-bulk.sh installs it): {e}"))
+}
+
+/// `iperf3 -c host -p port` in the client pod; received Gbit/s and retransmits.
+fn iperf(client: &NetPod, host: &str, port: u16, secs: u64) -> Result<(f64, u64), String> {
+    let out = client
+        .command("iperf3")
+        .args(["-c", host, "-p", &port.to_string(), "-t", &secs.to_string()])
+        .args(["-J", "--connect-timeout", "3000"])
+        .output()
+        .map_err(|e| format!("run iperf3: {e}"))?;
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("iperf3 JSON: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+    if let Some(error) = report["error"].as_str() {
+        return Err(error.to_string());
+    }
+    let end = &report["end"];
+    let bits = end["sum_received"]["bits_per_second"]
+        .as_f64()
+        .ok_or_else(|| format!("no sum_received in {end}"))?;
+    Ok((
+        bits / 1e9,
+        end["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
+    ))
+}
+
+fn measured(
+    label: &'static str,
+    proxies: &[u32],
+    shim: Option<u32>,
+    run: impl FnOnce() -> Result<(f64, u64), String>,
+) -> Run {
+    let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+    let shim: Vec<u32> = shim.into_iter().collect();
+    let (proxy_before, shim_before) = (cpu(proxies), cpu(&shim));
+    let (gbits, retransmits) = run().unwrap_or_else(|e| panic!("{label}: {e}"));
+    // socat reaps its per-connection children once they are done.
+    std::thread::sleep(Duration::from_millis(300));
+    Run {
+        label,
+        gbits,
+        retransmits,
+        proxy_cpu: cpu(proxies) - proxy_before,
+        // socat forks a child per connection: the listener's CPU plus its
+        // children's is in the children's own /proc entries, so count them too.
+        shim_cpu: cpu(&shim) - shim_before + children_cpu(&shim),
+    }
+}
+
+/// CPU seconds of the (still running or reaped) children of `pids`, from
+/// /proc/PID/stat's cutime + cstime.
+fn children_cpu(pids: &[u32]) -> f64 {
+    pids.iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            let cutime: f64 = fields.get(13)?.parse().ok()?;
+            let cstime: f64 = fields.get(14)?.parse().ok()?;
+            Some((cutime + cstime) / 100.0)
+        })
+        .sum()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if !strait_testenv::net::root_or_skip("bulk benchmark") {
+        return;
+    }
+    let secs: u64 = std::env::var("STRAIT_BENCH_SECS")
+        .unwrap_or("10".into())
+        .parse()
+        .unwrap();
+    let mut mesh = start_mesh(2, Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await;
+    add_client(&mut mesh, 0).await;
+    let server = mesh
+        .topology
+        .add_pod(1, "shop", "iperf-1", |p| {
+            p.with_label("app", "iperf")
+                .with_service_account("web")
+                .with_port("iperf", IPERF_PORT)
+        })
+        .await
+        .unwrap();
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "iperf", "namespace": "shop"},
+        "spec": {"selector": {"app": "iperf"},
+                 "ports": [{"name": "iperf", "port": IPERF_PORT, "targetPort": "iperf"}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(mesh.topology.cluster().client(), "shop")
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let server_ip: Ipv4Addr = server.ip();
+    let client = pod(&mesh, "client");
+    let node_ip = client.node().ip();
+    let _iperf_server = spawn(
+        &server,
+        &mesh,
+        "iperf3-server",
+        "/usr/bin/iperf3",
+        &[
+            "-s".into(),
+            "-B".into(),
+            server_ip.to_string(),
+            "-p".into(),
+            IPERF_PORT.to_string(),
+        ],
+    );
+    let _loopback_server = spawn(
+        client,
+        &mesh,
+        "iperf3-loopback",
+        "/usr/bin/iperf3",
+        &[
+            "-s".into(),
+            "-B".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            LOOPBACK_PORT.to_string(),
+        ],
+    );
+    let socat = |name: &str, to: String| {
+        spawn(
+            client,
+            &mesh,
+            name,
+            "/usr/bin/socat",
+            &[
+                "-b".into(),
+                SOCAT_BUFFER.into(),
+                format!("TCP-LISTEN:{SHIM_PORT},bind=127.0.0.1,fork,reuseaddr"),
+                to,
+            ],
+        )
+    };
+    let proxy_pids: Vec<u32> = mesh.proxies.iter().filter_map(|p| p.pid()).collect();
+    // Let the servers bind and discovery learn the service.
+    eventually("iperf3 answers directly", WAIT, || async {
+        iperf(client, &server_ip.to_string(), IPERF_PORT, 1)
+    })
+    .await;
+
+    let mut runs = Vec::new();
+    runs.push(measured("loopback (one netns)", &[], None, || {
+        iperf(client, "127.0.0.1", LOOPBACK_PORT, secs)
+    }));
+    runs.push(measured("pod → pod direct", &[], None, || {
+        iperf(client, &server_ip.to_string(), IPERF_PORT, secs)
+    }));
+    {
+        let shim = socat(
+            "socat-direct",
+            format!("TCP:{server_ip}:{IPERF_PORT},nodelay"),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        runs.push(measured("pod → socat → pod", &[], shim.pid(), || {
+            iperf(client, "127.0.0.1", SHIM_PORT, secs)
+        }));
+    }
+    {
+        let shim = socat(
+            "socat-connect",
+            format!(
+                "PROXY:{node_ip}:iperf.shop.svc.cluster.local:{IPERF_PORT},proxyport=4140,nodelay"
+            ),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        eventually("iperf3 answers through CONNECT", WAIT, || async {
+            iperf(client, "127.0.0.1", SHIM_PORT, 1)
+        })
+        .await;
+        runs.push(measured(
+            "socat → CONNECT proxy pair",
+            &proxy_pids,
+            shim.pid(),
+            || iperf(client, "127.0.0.1", SHIM_PORT, secs),
+        ));
+    }
+
+    let raw = runs[0].gbits;
+    println!(
+        "\n{:<28} {:>8} {:>9} {:>8} {:>16} {:>10}",
+        "path (one TCP stream)", "Gbit/s", "of raw", "retrans", "proxies CPU s", "socat CPU s"
+    );
+    for r in &runs {
+        println!(
+            "{:<28} {:>8.2} {:>8.0}% {:>8} {:>16.2} {:>10.2}",
+            r.label,
+            r.gbits,
+            100.0 * r.gbits / raw,
+            r.retransmits,
+            r.proxy_cpu,
+            r.shim_cpu
+        );
+    }
+    println!(
+        "({secs} s each; CPU seconds over the run; {} CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+}
