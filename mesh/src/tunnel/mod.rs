@@ -69,6 +69,7 @@
 
 pub mod client;
 pub mod header;
+pub mod quic;
 mod names;
 mod response;
 mod wire;

@@ -1,0 +1,370 @@
+//! QUIC for cross-cluster tunnels (quinn over rustls): the gateway's server
+//! side and the node proxy's client side, tuned for WAN paths, and the
+//! client's automatic fallback to TCP + TLS.
+//!
+//! One QUIC connection per (node proxy, gateway), one bidirectional stream per
+//! client connection or request; the stream starts with the tunnel header, as
+//! a TCP tunnel does. When QUIC cannot connect (UDP blocked), streams go over
+//! TCP + TLS to the same port instead (one connection per stream); QUIC is
+//! tried again in the background and taken back as soon as it works.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use tokio::io::{AsyncRead, AsyncWrite, Join, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::client::{CONNECT_TIMEOUT, TunnelError, handshake};
+use super::{TUNNEL_ALPN, TunnelHeader, server_name_for};
+use crate::identity::SpiffeId;
+use crate::identity::tls::{self, CertSlot, TrustBundle};
+
+/// Streams one connection may have open at once (each direction's limit for
+/// the peer): a misbehaving peer cannot open more.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// Per-stream receive window: one stream can fill a 1 Gbit/s path with 64 ms
+/// of round trip (bandwidth × delay).
+pub const STREAM_WINDOW: u32 = 8 * 1024 * 1024;
+/// Per-connection receive window: several streams at full speed.
+pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
+/// A connection with no traffic for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Keep-alives keep NAT bindings and an idle pooled connection alive.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(10);
+/// How long a QUIC handshake may take before the client falls back to TCP.
+pub const QUIC_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// UDP socket buffers asked of the kernel (it may cap them at net.core.*mem_max).
+pub const SOCKET_BUFFER: usize = 8 * 1024 * 1024;
+
+/// Transport settings for both sides.
+pub fn transport() -> Arc<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_bidi_streams(MAX_STREAMS_PER_CONNECTION.into())
+        .max_concurrent_uni_streams(0u32.into())
+        .stream_receive_window(STREAM_WINDOW.into())
+        .receive_window(CONNECTION_WINDOW.into())
+        .send_window(u64::from(CONNECTION_WINDOW))
+        .keep_alive_interval(Some(KEEP_ALIVE))
+        .max_idle_timeout(Some(
+            IDLE_TIMEOUT
+                .try_into()
+                .expect("30 s is a valid idle timeout"),
+        ));
+    Arc::new(t)
+}
+
+/// A UDP socket bound to `addr` with large buffers (quinn enables GSO/GRO on
+/// it by itself where the kernel has them).
+pub fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+/// The gateway's QUIC server config from its TLS config (TLS 1.3, client
+/// certificates required, the tunnel ALPN).
+pub fn server_config(tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, TunnelError> {
+    let crypto =
+        QuicServerConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    config.transport_config(transport());
+    Ok(config)
+}
+
+/// A QUIC client config from a TLS client config.
+pub fn client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, TunnelError> {
+    let crypto =
+        QuicClientConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(transport());
+    Ok(config)
+}
+
+/// A QUIC endpoint on `addr` (the gateway: its listener; a client: `0.0.0.0:0`).
+pub fn endpoint(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> std::io::Result<quinn::Endpoint> {
+    let socket = udp_socket(addr)?;
+    let runtime = quinn::default_runtime()
+        .ok_or_else(|| std::io::Error::other("no async runtime for QUIC"))?;
+    quinn::Endpoint::new(quinn::EndpointConfig::default(), server, socket, runtime)
+}
+
+/// A tunnel stream to a gateway: a QUIC stream or, on fallback, TCP + TLS.
+pub enum GatewayStream {
+    Quic(Join<quinn::RecvStream, quinn::SendStream>),
+    Tcp(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl GatewayStream {
+    /// Which transport carries it: `quic` or `tcp`.
+    pub fn transport(&self) -> &'static str {
+        match self {
+            GatewayStream::Quic(_) => "quic",
+            GatewayStream::Tcp(_) => "tcp",
+        }
+    }
+}
+
+impl AsyncRead for GatewayStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GatewayStream::Quic(s) => Pin::new(s).poll_read(cx, buf),
+            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for GatewayStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            GatewayStream::Quic(s) => Pin::new(s).poll_write(cx, buf),
+            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GatewayStream::Quic(s) => Pin::new(s).poll_flush(cx),
+            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            GatewayStream::Quic(s) => Pin::new(s).poll_shutdown(cx),
+            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// What the client knows about one gateway (address and identity).
+#[derive(Default)]
+struct GatewayState {
+    connection: Option<quinn::Connection>,
+    /// QUIC failed: use TCP until then.
+    quic_down_until: Option<Instant>,
+    /// The next wait after a failure (1 s doubling to 30 s).
+    backoff: Duration,
+    /// A background QUIC attempt is running.
+    probing: bool,
+}
+
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The client side of cross-cluster tunnels: one QUIC connection per gateway,
+/// streams on it, TCP + TLS while QUIC cannot connect. Presents `cert` (the
+/// node proxy's own identity); each gateway must prove the identity its
+/// mirror endpoints name.
+pub struct GatewayClient {
+    endpoint: quinn::Endpoint,
+    bundle: TrustBundle,
+    cert: Arc<CertSlot>,
+    gateways: Mutex<HashMap<(SocketAddr, SpiffeId), GatewayState>>,
+    configs: Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
+}
+
+impl GatewayClient {
+    pub fn new(bundle: TrustBundle, cert: Arc<CertSlot>) -> std::io::Result<Arc<Self>> {
+        let endpoint = endpoint("0.0.0.0:0".parse().expect("valid"), None)?;
+        Ok(Arc::new(Self {
+            endpoint,
+            bundle,
+            cert,
+            gateways: Mutex::new(HashMap::new()),
+            configs: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    fn tls(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+        let mut configs = self.configs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = configs.get(identity) {
+            return Ok(found.clone());
+        }
+        let config = Arc::new(
+            tls::client_config(
+                &self.bundle,
+                self.cert.clone(),
+                vec![identity.clone()],
+                &[TUNNEL_ALPN],
+            )
+            .map_err(|e| TunnelError::Config(e.to_string()))?,
+        );
+        configs.insert(identity.clone(), config.clone());
+        Ok(config)
+    }
+
+    /// Opens a stream to the gateway at `addr` (which must prove `identity`)
+    /// and sends `header`; the stream is ready for application bytes.
+    pub async fn open(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+        header: &TunnelHeader,
+    ) -> Result<GatewayStream, TunnelError> {
+        if let Some(connection) = self.quic_connection(addr, identity).await {
+            match connection.open_bi().await {
+                Ok((send, recv)) => {
+                    let stream = tokio::io::join(recv, send);
+                    return handshake(GatewayStream::Quic(stream), header, addr).await;
+                }
+                Err(e) => {
+                    tracing::debug!(%addr, "QUIC stream: {e}; reconnecting");
+                    self.forget(addr, identity, &connection);
+                    if let Some(connection) = self.quic_connection(addr, identity).await
+                        && let Ok((send, recv)) = connection.open_bi().await
+                    {
+                        let stream = tokio::io::join(recv, send);
+                        return handshake(GatewayStream::Quic(stream), header, addr).await;
+                    }
+                }
+            }
+        }
+        let tls = self.tcp(addr, identity).await?;
+        handshake(GatewayStream::Tcp(Box::new(tls)), header, addr).await
+    }
+
+    /// Which transport new streams to this gateway use now: `quic` or `tcp`.
+    pub fn transport(&self, addr: SocketAddr, identity: &SpiffeId) -> &'static str {
+        let gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        match gateways.get(&(addr, identity.clone())) {
+            Some(GatewayState {
+                connection: Some(c),
+                ..
+            }) if c.close_reason().is_none() => "quic",
+            _ => "tcp",
+        }
+    }
+
+    fn forget(&self, addr: SocketAddr, identity: &SpiffeId, connection: &quinn::Connection) {
+        let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = gateways.get_mut(&(addr, identity.clone()))
+            && state
+                .connection
+                .as_ref()
+                .is_some_and(|c| c.stable_id() == connection.stable_id())
+        {
+            state.connection = None;
+        }
+    }
+
+    /// The live QUIC connection, connecting first unless QUIC is known to be
+    /// down (then a background attempt may run and `None` means: use TCP).
+    async fn quic_connection(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Option<quinn::Connection> {
+        let key = (addr, identity.clone());
+        {
+            let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+            let state = gateways.entry(key.clone()).or_default();
+            if let Some(c) = &state.connection {
+                if c.close_reason().is_none() {
+                    return Some(c.clone());
+                }
+                state.connection = None;
+            }
+            if let Some(until) = state.quic_down_until {
+                // Down: this stream goes over TCP; once the wait is over, one
+                // background attempt finds out whether QUIC is back.
+                if Instant::now() >= until && !state.probing {
+                    state.probing = true;
+                    let this = self.clone();
+                    let identity = identity.clone();
+                    tokio::spawn(async move {
+                        let _ = this.connect_quic(addr, &identity).await;
+                    });
+                }
+                return None;
+            }
+        }
+        self.connect_quic(addr, identity).await
+    }
+
+    async fn connect_quic(&self, addr: SocketAddr, identity: &SpiffeId) -> Option<quinn::Connection> {
+        let result = async {
+            let tls = (*self.tls(identity)?).clone();
+            let config = client_config(tls)?;
+            let server_name = match server_name_for(identity) {
+                rustls::pki_types::ServerName::DnsName(n) => n.as_ref().to_string(),
+                other => format!("{other:?}"),
+            };
+            let connecting = self
+                .endpoint
+                .connect_with(config, addr, &server_name)
+                .map_err(|e| TunnelError::Protocol(e.to_string(), addr))?;
+            tokio::time::timeout(QUIC_CONNECT_TIMEOUT, connecting)
+                .await
+                .map_err(|_| TunnelError::Connect {
+                    node: addr,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "QUIC handshake timed out (UDP blocked?)",
+                    ),
+                })?
+                .map_err(|e| TunnelError::Protocol(format!("QUIC: {e}"), addr))
+        }
+        .await;
+        let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        let state = gateways.entry((addr, identity.clone())).or_default();
+        state.probing = false;
+        match result {
+            Ok(connection) => {
+                if state.quic_down_until.take().is_some() {
+                    tracing::info!(gateway = %addr, "QUIC works again: leaving the TCP fallback");
+                }
+                state.backoff = Duration::ZERO;
+                state.connection = Some(connection.clone());
+                Some(connection)
+            }
+            Err(e) => {
+                state.backoff = (state.backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF);
+                state.quic_down_until = Some(Instant::now() + state.backoff);
+                tracing::info!(gateway = %addr, retry_in = ?state.backoff, "QUIC unavailable ({e}): falling back to TCP + TLS");
+                None
+            }
+        }
+    }
+
+    async fn tcp(
+        &self,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TunnelError> {
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| TunnelError::Connect {
+                node: addr,
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+            })?
+            .map_err(|source| TunnelError::Connect { node: addr, source })?;
+        let _ = tcp.set_nodelay(true);
+        tokio_rustls::TlsConnector::from(self.tls(identity)?)
+            .connect(server_name_for(identity), tcp)
+            .await
+            .map_err(|source| TunnelError::Tls {
+                node: addr,
+                identity: identity.clone(),
+                source,
+            })
+    }
+}
