@@ -6,7 +6,8 @@
 //! TokenReview behave as in production. Pods need no kubelet: [`workloads`]
 //! marks them Running/Ready through the status subresource and the real
 //! EndpointSlice controller publishes them. With [`ClusterTopology`] nodes and
-//! pods are also real network namespaces ([`net`]) running real processes.
+//! pods are also real network namespaces ([`net`]) running real processes, and
+//! a [`Wan`] joins cluster LANs through their exposed gateways only.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -27,16 +28,23 @@ pub mod pki;
 pub mod process;
 pub mod topology;
 pub mod wait;
+pub mod wan;
 pub mod workloads;
 
 pub use cluster::{Cluster, ClusterConfig, ClusterError};
 pub use net::{ClusterNetwork, NetNode, NetPod};
 pub use topology::ClusterTopology;
+pub use wan::Wan;
 
 /// A binary of this workspace built next to the running test executable
 /// (`cargo test --workspace` builds every one first). Panics with the command
 /// that builds it when it is missing.
 pub fn workspace_binary(name: &str) -> std::path::PathBuf {
+    find_workspace_binary(name).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// As [`workspace_binary`], with an error saying how to build it.
+pub fn find_workspace_binary(name: &str) -> Result<std::path::PathBuf, String> {
     let exe = std::env::current_exe().expect("the test executable's path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe
@@ -44,12 +52,13 @@ pub fn workspace_binary(name: &str) -> std::path::PathBuf {
         .and_then(|deps| deps.parent())
         .expect("the test executable lives in target/<profile>/deps");
     let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --bin {name}` (or the whole workspace's tests)",
-        path.display()
-    );
-    path
+    if !path.exists() {
+        return Err(format!(
+            "{} is not built: run `cargo build --bin {name}` (or the whole workspace's tests)",
+            path.display()
+        ));
+    }
+    Ok(path)
 }
 
 /// `kubectl apply -f <file>` against `cluster` with the stock kubectl (what a

@@ -18,7 +18,9 @@
 //! - Isolation holds by construction: each cluster's bridge lives in its own
 //!   namespace, nodes and pods have routes only to their own cluster, and the host
 //!   never forwards what arrives on `stlan<S>` (`conf.stlan<S>.forwarding=0`).
-//!   A later WAN/gateway link plugs into the LAN namespace ([`ClusterNetwork::lan_command`]).
+//!   The LAN namespace itself is `10.S.0.254` on `br0` (routes to every pod range),
+//!   the router a WAN ([`crate::wan`]) plugs into; nodes route through it only
+//!   to the gateway addresses a WAN exposes.
 //!
 //! Needs root (CAP_NET_ADMIN) and `ip` (iproute2), `unshare`/`nsenter`
 //! (util-linux), `sysctl` (procps).
@@ -41,6 +43,9 @@ const SLOTS: u8 = 50;
 const MAX_NODES: u8 = 200;
 /// Pods per node: 10.S.n.2 … 10.S.n.251.
 const MAX_PODS: u8 = 250;
+/// Last octet of the LAN namespace's own address on `br0` (10.S.0.254): the
+/// router towards a WAN. Node addresses end at 10.S.0.(10 + MAX_NODES).
+const ROUTER_HOST: u8 = 254;
 /// Prefix of the host-side interface of each cluster LAN (`stlan200`, …).
 pub const HOST_IF_PREFIX: &str = "stlan";
 
@@ -73,6 +78,8 @@ pub enum NetError {
          too many clusters with nodes at once on this host; see `ip -o link | grep {HOST_IF_PREFIX}`"
     )]
     NoSlot,
+    #[error("WAN: {0}")]
+    Wan(String),
     #[error("{what}: at most {max} per {per}")]
     Full {
         what: &'static str,
@@ -124,6 +131,8 @@ fn package_of(program: &OsStr) -> &'static str {
     match program.to_str() {
         Some("ip") => "iproute2",
         Some("sysctl") => "procps",
+        Some("tc") => "iproute2",
+        Some("tcpdump") => "tcpdump",
         Some(p) if p.starts_with("iptables") => "iptables",
         _ => "util-linux",
     }
@@ -174,14 +183,14 @@ fn ns_id(path: &Path) -> Option<PathBuf> {
 
 /// A network namespace that lives exactly as long as its anchor process.
 #[derive(Debug)]
-struct Netns {
+pub(crate) struct Netns {
     anchor: ChildProcess,
-    pid: u32,
+    pub(crate) pid: u32,
     path: PathBuf,
 }
 
 impl Netns {
-    fn new(what: &str) -> Result<Self, NetError> {
+    pub(crate) fn new(what: &str) -> Result<Self, NetError> {
         if !is_root() {
             return Err(NetError::NotRoot);
         }
@@ -221,7 +230,7 @@ impl Netns {
     }
 
     /// `nsenter --net=<this> -- program`: a command that runs inside the namespace.
-    fn command(&self, program: impl AsRef<OsStr>) -> Command {
+    pub(crate) fn command(&self, program: impl AsRef<OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(self.nsenter_arg()).arg("--").arg(program);
         cmd
@@ -232,13 +241,13 @@ impl Netns {
     }
 
     /// Runs `ip -batch -` with these lines inside the namespace.
-    fn ip(&self, lines: &[String]) -> Result<(), NetError> {
+    pub(crate) fn ip(&self, lines: &[String]) -> Result<(), NetError> {
         let mut cmd = self.command("ip");
         cmd.args(["-batch", "-"]);
         run(cmd, Some(&(lines.join("\n") + "\n"))).map(drop)
     }
 
-    fn sysctl(&self, setting: &str) -> Result<(), NetError> {
+    pub(crate) fn sysctl(&self, setting: &str) -> Result<(), NetError> {
         let mut cmd = self.command("sysctl");
         cmd.args(["-qw", setting]);
         run(cmd, None).map(drop)
@@ -246,7 +255,7 @@ impl Netns {
 
     /// Spawns a long-running process inside the namespace. `nsenter` execs the
     /// program in place, so the child keeps its parent-death signal and pid.
-    fn spawn(
+    pub(crate) fn spawn(
         &self,
         name: &str,
         program: &Path,
@@ -261,7 +270,7 @@ impl Netns {
     }
 
     /// `net:[inode]` of the namespace, to check later that it is gone.
-    fn id(&self) -> String {
+    pub(crate) fn id(&self) -> String {
         ns_id(&self.path)
             .map(|p| p.display().to_string())
             .unwrap_or_default()
@@ -284,18 +293,21 @@ pub struct ClusterNetwork {
 }
 
 #[derive(Debug)]
-struct Lan {
-    cluster: String,
-    slot: u8,
+pub(crate) struct Lan {
+    pub(crate) cluster: String,
+    pub(crate) slot: u8,
     host_if: String,
     nodes: Mutex<NodeRegistry>,
-    netns: Netns,
+    pub(crate) netns: Netns,
 }
 
 #[derive(Debug, Default)]
 struct NodeRegistry {
     next: u8,
     live: Vec<Weak<NodeInner>>,
+    /// Destinations (gateways of other clusters) every node routes via the
+    /// LAN's router, nodes added later included.
+    via_router: Vec<String>,
 }
 
 impl ClusterNetwork {
@@ -309,7 +321,7 @@ impl ClusterNetwork {
             host_if,
             nodes: Mutex::new(NodeRegistry {
                 next: 1,
-                live: Vec::new(),
+                ..NodeRegistry::default()
             }),
             netns,
         };
@@ -319,6 +331,7 @@ impl ClusterNetwork {
             "link set br0 up".into(),
             "link set host master br0".into(),
             "link set host up".into(),
+            format!("addr add {}/24 dev br0", lan.router_ip()),
         ])?;
         let host_ip = lan.host_ip();
         // The host must not route between cluster LANs (nor anywhere else) for them.
@@ -376,6 +389,10 @@ impl ClusterNetwork {
         self.lan.netns.id()
     }
 
+    pub(crate) fn lan(&self) -> &Arc<Lan> {
+        &self.lan
+    }
+
     /// Adds a node: a namespace on the bridge with the next node address and
     /// pod range, routed to and from every other node of this cluster.
     pub fn add_node(&self, name: &str) -> Result<NetNode, NetError> {
@@ -421,6 +438,10 @@ impl ClusterNetwork {
         for other in &others {
             lines.push(format!("route add {} via {}", other.pod_cidr(), other.ip));
         }
+        let router = lan.router_ip();
+        for destination in &registry.via_router {
+            lines.push(format!("route add {destination} via {router}"));
+        }
         node.netns.ip(&lines)?;
         node.netns.sysctl("net.ipv4.ip_forward=1")?;
         for other in &others {
@@ -428,6 +449,9 @@ impl ClusterNetwork {
                 .netns
                 .ip(&[format!("route add {} via {ip}", node.pod_cidr())])?;
         }
+        // The LAN namespace routes replies from a WAN to the node's pods.
+        lan.netns
+            .ip(&[format!("route add {} via {ip}", node.pod_cidr())])?;
         let mut cmd = Command::new("ip");
         cmd.args(["route", "add", &node.pod_cidr(), "via", &ip.to_string()])
             .args(["dev", &lan.host_if]);
@@ -441,6 +465,28 @@ impl ClusterNetwork {
 impl Lan {
     fn host_ip(&self) -> Ipv4Addr {
         Ipv4Addr::new(10, self.slot, 0, 1)
+    }
+
+    /// The LAN namespace's address on `br0`, next hop of nodes towards a WAN.
+    pub(crate) fn router_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, self.slot, 0, ROUTER_HOST)
+    }
+
+    /// Routes `destination` (e.g. `10.201.0.11/32`) from every node of this
+    /// LAN, present and future, via the LAN's router.
+    pub(crate) fn route_nodes_via_router(&self, destination: &str) -> Result<(), NetError> {
+        let mut registry = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        if registry.via_router.iter().any(|d| d == destination) {
+            return Ok(());
+        }
+        registry.live.retain(|w| w.strong_count() > 0);
+        let router = self.router_ip();
+        for node in registry.live.iter().filter_map(Weak::upgrade) {
+            node.netns
+                .ip(&[format!("route replace {destination} via {router}")])?;
+        }
+        registry.via_router.push(destination.into());
+        Ok(())
     }
 }
 
@@ -524,6 +570,14 @@ impl NetNode {
     /// Pid of the process holding the namespace (`/proc/<pid>/ns/net`).
     pub fn anchor_pid(&self) -> u32 {
         self.inner.netns.pid
+    }
+
+    pub(crate) fn lan(&self) -> &Arc<Lan> {
+        &self.inner.lan
+    }
+
+    pub(crate) fn netns(&self) -> &Netns {
+        &self.inner.netns
     }
 
     /// A short-lived command run inside the node's namespace.

@@ -3,7 +3,9 @@
 //! It answers HTTP/1.1 and HTTP/2 prior-knowledge (h2c) on each `--http`
 //! address with a JSON body naming the pod, and echoes raw TCP on each `--echo`
 //! address. On the echo port a connection whose first bytes are `WHOAMI\n`
-//! gets the pod name and a newline back first, then plain echo.
+//! gets the pod name and a newline back first, then plain echo. Each
+//! `--udp-echo` address answers a datagram `WHOAMI\n` with the pod name and a
+//! newline, and echoes any other datagram.
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -16,7 +18,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
 /// A test backend: HTTP/1.1 + h2c answering with its pod name, and a TCP echo.
 #[derive(Debug, Parser)]
@@ -35,6 +37,9 @@ struct Args {
     /// `220 <pod> ready` on connect, then echoes (repeatable).
     #[arg(long)]
     banner: Vec<SocketAddr>,
+    /// Address of a UDP echo (repeatable): `WHOAMI\n` gets the pod name back.
+    #[arg(long)]
+    udp_echo: Vec<SocketAddr>,
     /// Answer HTTP requests only after this long (a slow endpoint), e.g. `100ms`.
     #[arg(long, value_parser = humantime::parse_duration)]
     delay: Option<std::time::Duration>,
@@ -55,8 +60,11 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     strait_mesh::telemetry::init_tracing(Default::default(), "info");
     anyhow::ensure!(
-        !args.http.is_empty() || !args.echo.is_empty() || !args.banner.is_empty(),
-        "give at least one --http, --echo or --banner address"
+        !args.http.is_empty()
+            || !args.echo.is_empty()
+            || !args.banner.is_empty()
+            || !args.udp_echo.is_empty(),
+        "give at least one --http, --echo, --banner or --udp-echo address"
     );
     let behaviour = Behaviour {
         delay: args.delay,
@@ -85,6 +93,13 @@ async fn main() -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("bind banner {addr}: {e}"))?;
         tracing::info!(%addr, "serving a server-speaks-first banner + echo");
         tasks.spawn(serve_echo(listener, name.clone(), true));
+    }
+    for addr in args.udp_echo {
+        let socket = UdpSocket::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("bind UDP echo {addr}: {e}"))?;
+        tracing::info!(%addr, "serving UDP echo");
+        tasks.spawn(serve_udp_echo(socket, name.clone()));
     }
     // Listeners run until the process is killed; a failing accept loop ends it.
     while let Some(result) = tasks.join_next().await {
@@ -167,6 +182,22 @@ async fn serve_echo(listener: TcpListener, name: Arc<str>, banner: bool) -> anyh
                 tracing::debug!(%peer, "echo connection ended: {e}");
             }
         });
+    }
+}
+
+async fn serve_udp_echo(socket: UdpSocket, name: Arc<str>) -> anyhow::Result<()> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let whoami = format!("{name}\n");
+    loop {
+        let (n, peer) = socket.recv_from(&mut buf).await?;
+        let answer = if &buf[..n] == b"WHOAMI\n" {
+            whoami.as_bytes()
+        } else {
+            &buf[..n]
+        };
+        if let Err(e) = socket.send_to(answer, peer).await {
+            tracing::debug!(%peer, "UDP echo: {e}");
+        }
     }
 }
 
