@@ -1,27 +1,137 @@
 //! `strait-gateway`: QUIC + mTLS multicluster gateway: receives cross-cluster traffic for exported Services.
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::Parser;
+use strait_gateway::server::{Gateway, GatewayMetrics};
+use strait_mesh::admin::{self, Readiness};
+use strait_mesh::discovery::{Discovery, DiscoveryConfig};
+use strait_mesh::identity::client::IdentityMetrics;
+use strait_mesh::identity::workload::IdentityArgs;
 use strait_mesh::telemetry::{LogFormat, init_tracing};
+use strait_mesh::tunnel::quic;
 
 /// QUIC + mTLS multicluster gateway: receives cross-cluster traffic for exported Services.
 #[derive(Debug, Parser)]
 #[command(name = "strait-gateway", version)]
 struct Args {
-    /// Address of the admin server (`/live`, `/ready`, `/metrics`).
+    /// This cluster's name (metrics, messages).
+    #[arg(long, env = "STRAIT_CLUSTER_NAME", default_value = "local")]
+    cluster_name: String,
+    /// Trust domain of this cluster's workload identities.
+    #[arg(long, env = "STRAIT_TRUST_DOMAIN", default_value = "cluster.local")]
+    trust_domain: String,
+    /// The cluster's DNS domain.
+    #[arg(long, env = "STRAIT_CLUSTER_DOMAIN", default_value = "cluster.local")]
+    cluster_domain: String,
+    /// Where QUIC (UDP) and the TCP + TLS fallback listen: the same port.
+    #[arg(long, default_value = "0.0.0.0:4143")]
+    listen_addr: SocketAddr,
+    /// Inbound port of this cluster's node proxies.
+    #[arg(long, default_value_t = 4143)]
+    proxy_inbound_port: u16,
+    /// The label that exports a Service (key=value), as the Links' selector.
+    #[arg(long, default_value = "strait.dev/exported=true", value_parser = parse_label)]
+    export_label: (String, String),
+    /// Address of the admin server (`/live`, `/ready`, `/metrics`; plain HTTP
+    /// and mTLS on the same port, for the mirror controllers' probes).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
-    admin_addr: std::net::SocketAddr,
+    admin_addr: SocketAddr,
+    /// How long open streams may finish after SIGTERM.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    #[command(flatten)]
+    identity: IdentityArgs,
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
 }
 
-fn main() -> std::process::ExitCode {
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?}: write the label as key=value"))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_tracing(args.log_format, "info");
-    tracing::error!(
-        admin_addr = %args.admin_addr,
-        "strait-gateway is not built yet: it arrives with issue #6"
+    let metrics = GatewayMetrics::default();
+    let identity_metrics = IdentityMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    identity_metrics.register(&mut registry);
+    let registry = Arc::new(registry);
+    let readiness = Readiness::default();
+
+    let (store, bundle) = args.identity.store(identity_metrics)?;
+    let own = store
+        .get(None)
+        .await
+        .context("getting the gateway's identity from the issuer")?;
+    tracing::info!(identity = %own.id(), "identity loaded");
+
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+    let mut config = DiscoveryConfig::new("");
+    config.cluster_domain = args.cluster_domain.clone();
+    config.trust_domain = args.trust_domain.clone();
+    config.inbound_port = args.proxy_inbound_port;
+    config.export_label = args.export_label.clone();
+    let (discovery, watches) = Discovery::start(client, config);
+    tokio::spawn(watches);
+    discovery.synced().await?;
+    tracing::info!("discovery synced");
+
+    let gateway = Gateway::new(
+        &args.cluster_name,
+        discovery,
+        own.clone(),
+        bundle.clone(),
+        metrics,
     );
-    std::process::ExitCode::from(2)
+    let tls = Arc::new(gateway.server_tls()?);
+    let admin = admin::spawn_with_tls(
+        args.admin_addr,
+        readiness.clone(),
+        registry,
+        Some(tls.clone()),
+    )
+    .await?;
+    let endpoint = quic::endpoint(args.listen_addr, Some(quic::server_config((*tls).clone())?))
+        .with_context(|| format!("binding QUIC on udp {}", args.listen_addr))?;
+    let tcp = tokio::net::TcpListener::bind(args.listen_addr)
+        .await
+        .with_context(|| format!("binding the TCP fallback on tcp {}", args.listen_addr))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(
+        gateway
+            .clone()
+            .serve_quic(endpoint.clone(), stopped.clone()),
+    );
+    tokio::spawn(gateway.clone().serve_tcp(tcp, tls, stopped));
+    readiness.set_ready(true);
+    tracing::info!(listen = %args.listen_addr, %admin, cluster = %args.cluster_name, "gateway ready (QUIC and TCP + TLS)");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    readiness.set_ready(false);
+    let _ = stop.send(true);
+    tracing::info!(open = gateway.active(), "draining");
+    let deadline = tokio::time::Instant::now() + args.drain_timeout;
+    while gateway.active() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    endpoint.close(0u32.into(), b"gateway shutting down");
+    Ok(())
 }

@@ -172,6 +172,7 @@ mod tests {
             addr: SocketAddr::from(([10, 0, 0, i], 8080)),
             node_proxy: SocketAddr::from(([10, 1, 0, i], 4143)),
             identity: "spiffe://td/ns/shop/sa/web".parse().unwrap(),
+            remote: None,
         }
     }
 

@@ -132,16 +132,27 @@ impl Inbound {
             let _ = tls.shutdown().await;
             Err(message)
         };
-        // A node proxy speaks for its own pods only; a claimed other caller is
-        // a misconfiguration or an attack (gateways come with their own rule).
-        if let Some(source) = &header.source {
-            return refuse(
-                &mut tls,
-                ResponseStatus::Denied,
-                format!("{client} may not speak for {source}: only gateways may carry a caller's identity"),
-            )
-            .await;
-        }
+        // A node proxy speaks for its own pods only; only this cluster's
+        // gateway carries a remote caller's identity (it checked the caller's
+        // own proof and the Service's policy). Anyone else claiming another
+        // caller is a misconfiguration or an attack.
+        let caller = match &header.source {
+            Some(source)
+                if is_gateway(&client)
+                    && client.trust_domain() == self.identities.trust_domain() =>
+            {
+                source.clone()
+            }
+            Some(source) => {
+                return refuse(
+                    &mut tls,
+                    ResponseStatus::Denied,
+                    format!("{client} may not speak for {source}: only gateways may carry a caller's identity"),
+                )
+                .await;
+            }
+            None => client.clone(),
+        };
         let Target::Pod { addr } = header.target else {
             return refuse(
                 &mut tls,
@@ -201,7 +212,7 @@ impl Inbound {
             .write_to(&mut tls)
             .await
             .map_err(|e| format!("answering {client}: {e}"))?;
-        let labels = TcpLabels::inbound(&client, &pod);
+        let labels = TcpLabels::inbound(&caller, &pod);
         self.metrics.tcp_open(&labels);
         match header.protocol {
             // The sender detected HTTP (or was told by its client): no second
@@ -212,7 +223,7 @@ impl Inbound {
                     tls,
                     upstream,
                     header.protocol,
-                    &client,
+                    &caller,
                     self.metrics.clone(),
                     labels.clone(),
                 )
@@ -229,6 +240,14 @@ impl Inbound {
             }
         }
     }
+}
+
+/// The namespace and ServiceAccount of gateways: the only peers whose
+/// `source` claims a node proxy accepts.
+pub const GATEWAY_ACCOUNT: (&str, &str) = ("strait-system", "strait-gateway");
+
+fn is_gateway(peer: &SpiffeId) -> bool {
+    (peer.namespace(), peer.service_account()) == GATEWAY_ACCOUNT
 }
 
 /// Request header naming the caller's SPIFFE ID, set by the node proxy that

@@ -185,10 +185,21 @@ impl outbound::Destinations for MeshView {
                     addr: e.addr,
                     node_proxy: *proxy,
                     identity: identity.clone(),
+                    remote: None,
                 }),
-                // Mirrors (through a remote gateway) and unmeshed addresses
-                // are carried by the gateway work, not yet here.
-                discovery::Route::Gateway { .. } | discovery::Route::Direct => None,
+                // A mirror: the stream goes to the remote gateway and names
+                // the remote Service (the mirror's port is the remote one).
+                discovery::Route::Gateway { gateway, identity } => {
+                    let mirror = destination.mirror.as_ref()?;
+                    (!mirror.remote_fq_name.is_empty()).then(|| outbound::Endpoint {
+                        addr: *gateway,
+                        node_proxy: *gateway,
+                        identity: identity.clone(),
+                        remote: Some((mirror.remote_fq_name.clone(), destination.port.port)),
+                    })
+                }
+                // Hand-written endpoints outside the mesh: not carried.
+                discovery::Route::Direct => None,
             })
             .collect();
         if endpoints.is_empty() {
@@ -227,6 +238,7 @@ impl outbound::Destinations for MeshView {
             addr,
             node_proxy: snapshot.node_proxy(&pod.node)?,
             identity: pod.identity.clone()?,
+            remote: None,
         })
     }
 }

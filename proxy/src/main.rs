@@ -106,11 +106,16 @@ async fn main() -> anyhow::Result<()> {
     let inbound_listener = tokio::net::TcpListener::bind(args.inbound_addr)
         .await
         .with_context(|| format!("binding inbound {}", args.inbound_addr))?;
+    // Mirror traffic: one QUIC connection per remote gateway, as this proxy.
+    let gateways =
+        strait_mesh::tunnel::quic::GatewayClient::new(identities.bundle().clone(), own.cert())
+            .context("opening the UDP socket for QUIC to remote gateways")?;
     let outbound = Outbound::new(
         &args.node_name,
         identities.clone(),
         view.clone(),
         metrics.clone(),
+        Some(gateways),
     );
     // Latency statistics of endpoints that are gone are forgotten (bounded memory).
     let (pools, mut updates) = (outbound.clone(), discovery.updates());

@@ -23,7 +23,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::protocol::PodRef;
-use strait_mesh::tunnel::{Protocol, ResponseStatus};
+use strait_mesh::tunnel::quic::{GatewayClient, GatewayStream};
+use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::client::TlsStream;
 
@@ -42,6 +43,117 @@ pub struct Endpoint {
     pub addr: SocketAddr,
     pub node_proxy: SocketAddr,
     pub identity: SpiffeId,
+    /// A mirror endpoint: `addr` is a remote cluster's gateway (and
+    /// `identity` its identity); the stream names this Service (FQDN, port)
+    /// there. `None`: a pod of this cluster behind `node_proxy`.
+    pub remote: Option<(String, u16)>,
+}
+
+impl Endpoint {
+    /// The pooling key: the pod's address, or for a mirror endpoint a name
+    /// unique to (gateway, identity, remote Service), which several mirrors
+    /// behind one gateway must not share.
+    pub fn pool_key(&self) -> String {
+        match &self.remote {
+            None => self.addr.to_string(),
+            Some((fqdn, port)) => {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                (self.addr, &self.identity, fqdn, port).hash(&mut h);
+                format!("{:016x}{GATEWAY_POOL_SUFFIX}:{port}", h.finish())
+            }
+        }
+    }
+}
+
+/// Host suffix of the pooling keys of mirror endpoints.
+const GATEWAY_POOL_SUFFIX: &str = ".gateway.strait.internal";
+
+/// A tunnel: to a node proxy (TCP + TLS), or to a remote gateway (a QUIC
+/// stream, or TCP + TLS on fallback).
+pub enum TunnelStream {
+    Node(Box<TlsStream<TcpStream>>),
+    Gateway(GatewayStream),
+}
+
+impl tokio::io::AsyncRead for TunnelStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            TunnelStream::Gateway(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for TunnelStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            TunnelStream::Gateway(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            TunnelStream::Gateway(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            TunnelStream::Gateway(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Everything needed to open a tunnel to any endpoint for a caller.
+#[derive(Clone)]
+struct Opener {
+    identities: Arc<PodIdentities>,
+    configs: Arc<ConfigCache>,
+    gateways: Option<Arc<GatewayClient>>,
+}
+
+impl Opener {
+    async fn open(
+        &self,
+        source: &ManagedIdentity,
+        endpoint: &Endpoint,
+        protocol: Protocol,
+    ) -> Result<TunnelStream, TunnelError> {
+        match &endpoint.remote {
+            None => {
+                let config = self
+                    .configs
+                    .get(&self.identities, source, &endpoint.identity)?;
+                let tls = open_tunnel(config, endpoint, protocol).await?;
+                Ok(TunnelStream::Node(Box::new(tls)))
+            }
+            Some((fqdn, port)) => {
+                let gateways = self.gateways.as_ref().ok_or_else(|| {
+                    TunnelError::Config(
+                        "no gateway client (the proxy has no identity of its own)".into(),
+                    )
+                })?;
+                let target = Target::service(fqdn, *port)
+                    .map_err(|e| TunnelError::Protocol(e.to_string(), endpoint.addr))?;
+                let mut header = TunnelHeader::new(target, protocol);
+                header.source = Some(source.id());
+                let stream = gateways
+                    .open(endpoint.addr, &endpoint.identity, &header)
+                    .await?;
+                Ok(TunnelStream::Gateway(stream))
+            }
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,12 +254,15 @@ pub struct Outbound {
     pub destinations: Arc<dyn Destinations>,
     pub metrics: ProxyMetrics,
     pub balancer: Balancer,
-    /// Shared with every pooling client's connector: one config per pair.
-    configs: Arc<ConfigCache>,
+    /// Opens tunnels (node proxies and gateways); shared with every pooling
+    /// client's connector.
+    opener: Opener,
+    /// Mirror endpoints by pooling key, for the pooling clients' connectors.
+    remote_routes: Arc<Mutex<HashMap<String, Endpoint>>>,
     /// One pooling HTTP/1 client per calling identity.
     clients: Mutex<HashMap<SpiffeId, Client<TunnelConnector, Body>>>,
     /// HTTP/2 connections (one multiplexed tunnel per caller and pod).
-    h2: Mutex<HashMap<(SpiffeId, SocketAddr), hyper::client::conn::http2::SendRequest<Body>>>,
+    h2: Mutex<HashMap<(SpiffeId, String), hyper::client::conn::http2::SendRequest<Body>>>,
     /// One retry budget per destination (`host:port` as the caller named it).
     budgets: Mutex<HashMap<String, Arc<RetryBudget>>>,
 }
@@ -177,14 +292,20 @@ impl Outbound {
         identities: Arc<PodIdentities>,
         destinations: Arc<dyn Destinations>,
         metrics: ProxyMetrics,
+        gateways: Option<Arc<GatewayClient>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             node: node.to_string(),
+            opener: Opener {
+                identities: identities.clone(),
+                configs: Arc::default(),
+                gateways,
+            },
+            remote_routes: Arc::default(),
             identities,
             destinations,
             metrics,
             balancer: Balancer::default(),
-            configs: Arc::default(),
             clients: Mutex::new(HashMap::new()),
             h2: Mutex::new(HashMap::new()),
             budgets: Mutex::new(HashMap::new()),
@@ -501,14 +622,14 @@ impl Outbound {
         caller: &Caller,
         endpoints: &[Endpoint],
         protocol: Protocol,
-    ) -> Result<(TlsStream<TcpStream>, Endpoint), Option<TunnelError>> {
+    ) -> Result<(TunnelStream, Endpoint), Option<TunnelError>> {
         let mut last_error = None;
         for endpoint in self.balancer.order(endpoints) {
-            let config = self
-                .configs
-                .get(&self.identities, &caller.identity, &endpoint.identity)
-                .map_err(Some)?;
-            match open_tunnel(config, &endpoint, protocol).await {
+            match self
+                .opener
+                .open(&caller.identity, &endpoint, protocol)
+                .await
+            {
                 Ok(tunnel) => return Ok((tunnel, endpoint)),
                 Err(e) if e.retryable() => {
                     tracing::debug!(endpoint = %endpoint.addr, "{e}; trying another endpoint");
@@ -573,9 +694,16 @@ impl Outbound {
             let uri = if http2 && parts.uri.authority().is_some() {
                 parts.uri.clone()
             } else {
+                let key = endpoint.pool_key();
+                if endpoint.remote.is_some() {
+                    self.remote_routes
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(key.clone(), endpoint.clone());
+                }
                 match Uri::builder()
                     .scheme("http")
-                    .authority(endpoint.addr.to_string())
+                    .authority(key)
                     .path_and_query(path.as_str())
                     .build()
                 {
@@ -596,10 +724,16 @@ impl Outbound {
             let result = if http2 {
                 self.send_h2(&caller, &endpoint, request).await
             } else {
-                self.client_for(&caller)
+                let mut request = request;
+                let captured =
+                    hyper_util::client::legacy::connect::capture_connection(&mut request);
+                let result = self
+                    .client_for(&caller)
                     .request(request)
                     .await
-                    .map_err(SendError::from)
+                    .map_err(SendError::from);
+                self.retire_fallback(&endpoint, &captured);
+                result
             };
             let elapsed = started.elapsed();
             let retryable = match &result {
@@ -631,6 +765,29 @@ impl Outbound {
         }
     }
 
+    /// A pooled TCP fallback stream to a gateway is not reused once QUIC
+    /// works again (asking also starts the background QUIC attempt).
+    fn retire_fallback(
+        &self,
+        endpoint: &Endpoint,
+        captured: &hyper_util::client::legacy::connect::CaptureConnection,
+    ) {
+        let (Some(_), Some(gateways)) = (&endpoint.remote, &self.opener.gateways) else {
+            return;
+        };
+        let metadata = captured.connection_metadata();
+        let Some(connected) = metadata.as_ref() else {
+            return;
+        };
+        let mut extras = http::Extensions::new();
+        connected.get_extras(&mut extras);
+        if extras.get::<FallbackTcp>().is_some()
+            && gateways.prefers_quic(endpoint.addr, &endpoint.identity)
+        {
+            connected.poison();
+        }
+    }
+
     /// Sends an HTTP/2 request over the caller's multiplexed tunnel to the
     /// pod, opening it (or replacing a closed one) first.
     async fn send_h2(
@@ -639,7 +796,7 @@ impl Outbound {
         endpoint: &Endpoint,
         request: Request<Body>,
     ) -> Result<Response<Incoming>, SendError> {
-        let key = (caller.identity.id(), endpoint.addr);
+        let key = (caller.identity.id(), endpoint.pool_key());
         let existing = self
             .h2
             .lock()
@@ -650,11 +807,9 @@ impl Outbound {
         let mut sender = match existing {
             Some(sender) => sender,
             None => {
-                let config = self
-                    .configs
-                    .get(&self.identities, &caller.identity, &endpoint.identity)
-                    .map_err(SendError::connect)?;
-                let tunnel = open_tunnel(config, endpoint, Protocol::Http2)
+                let tunnel = self
+                    .opener
+                    .open(&caller.identity, endpoint, Protocol::Http2)
                     .await
                     .map_err(SendError::connect)?;
                 let (sender, connection) =
@@ -684,10 +839,13 @@ impl Outbound {
 
     /// Forgets HTTP/2 tunnels to pods that are gone (bounded memory).
     pub fn retain_h2(&self, keep: impl Fn(SocketAddr) -> bool) {
+        let keep = |addr: SocketAddr| keep(addr);
         self.h2
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|(_, addr), sender| keep(*addr) && !sender.is_closed());
+            .retain(|(_, key), sender| {
+                key.parse::<SocketAddr>().map_or(true, &keep) && !sender.is_closed()
+            });
     }
 
     fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
@@ -706,9 +864,9 @@ impl Outbound {
             .or_insert_with(|| {
                 let connector = TunnelConnector {
                     source: caller.identity.clone(),
-                    identities: self.identities.clone(),
                     destinations: self.destinations.clone(),
-                    configs: self.configs.clone(),
+                    opener: self.opener.clone(),
+                    remote_routes: self.remote_routes.clone(),
                 };
                 Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(90))
@@ -817,9 +975,9 @@ fn status_for(e: &TunnelError) -> StatusCode {
 #[derive(Clone)]
 struct TunnelConnector {
     source: Arc<ManagedIdentity>,
-    identities: Arc<PodIdentities>,
     destinations: Arc<dyn Destinations>,
-    configs: Arc<ConfigCache>,
+    opener: Opener,
+    remote_routes: Arc<Mutex<HashMap<String, Endpoint>>>,
 }
 
 impl tower_service::Service<Uri> for TunnelConnector {
@@ -834,39 +992,60 @@ impl tower_service::Service<Uri> for TunnelConnector {
     fn call(&mut self, uri: Uri) -> Self::Future {
         let this = self.clone();
         Box::pin(async move {
-            let addr: SocketAddr = uri
-                .authority()
-                .and_then(|a| a.as_str().parse().ok())
-                .ok_or_else(|| {
-                    TunnelError::Protocol(
-                        format!("not a pod address: {uri}"),
-                        "0.0.0.0:0".parse().expect("valid"),
-                    )
-                })?;
-            let endpoint =
-                this.destinations
-                    .endpoint(addr)
-                    .ok_or_else(|| TunnelError::Refused {
-                        node: addr,
-                        target: addr.to_string(),
-                        status: ResponseStatus::NotFound,
-                        message: "the pod is gone".into(),
-                    })?;
-            let config = this
-                .configs
-                .get(&this.identities, &this.source, &endpoint.identity)?;
-            let tls = open_tunnel(config, &endpoint, Protocol::Http1).await?;
-            Ok(TunnelIo(TokioIo::new(tls)))
+            let authority = uri.authority().map(|a| a.as_str().to_string());
+            let remote = authority.as_ref().and_then(|a| {
+                this.remote_routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(a)
+                    .cloned()
+            });
+            let endpoint = match remote {
+                Some(endpoint) => endpoint,
+                None => {
+                    let addr: SocketAddr = authority
+                        .as_deref()
+                        .and_then(|a| a.parse().ok())
+                        .ok_or_else(|| {
+                            TunnelError::Protocol(
+                                format!("not a pod address: {uri}"),
+                                "0.0.0.0:0".parse().expect("valid"),
+                            )
+                        })?;
+                    this.destinations
+                        .endpoint(addr)
+                        .ok_or_else(|| TunnelError::Refused {
+                            node: addr,
+                            target: addr.to_string(),
+                            status: ResponseStatus::NotFound,
+                            message: "the pod is gone".into(),
+                        })?
+                }
+            };
+            let stream = this
+                .opener
+                .open(&this.source, &endpoint, Protocol::Http1)
+                .await?;
+            Ok(TunnelIo(TokioIo::new(stream)))
         })
     }
 }
 
 /// A tunnel as the pooling client sees it.
-pub struct TunnelIo(TokioIo<TlsStream<TcpStream>>);
+pub struct TunnelIo(TokioIo<TunnelStream>);
+
+/// Marks a pooled connection that is a TCP fallback stream to a gateway.
+#[derive(Clone, Copy, Debug)]
+struct FallbackTcp;
 
 impl Connection for TunnelIo {
     fn connected(&self) -> Connected {
-        Connected::new()
+        match self.0.inner() {
+            TunnelStream::Gateway(s) if s.transport() == "tcp" => {
+                Connected::new().extra(FallbackTcp)
+            }
+            _ => Connected::new(),
+        }
     }
 }
 

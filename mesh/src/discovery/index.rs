@@ -35,6 +35,8 @@ pub struct IndexConfig {
     pub trust_domain: String,
     /// The inbound port of every node proxy (4143).
     pub inbound_port: u16,
+    /// The label (key, value) that exports a Service (what the gateway serves).
+    pub export_label: (String, String),
 }
 
 /// One consistent view of the cluster. Cheap to share (`Arc`); never mutated.
@@ -62,6 +64,11 @@ pub struct Snapshot {
     /// they asked for transparent mode ([`TRANSPARENT_ANNOTATION`]).
     transparent: HashMap<(String, String), bool>,
 }
+
+/// Service annotation: who may call it from linked clusters through the
+/// gateway (comma-separated SPIFFE IDs, `*` matching one path segment or the
+/// trust domain). Unset: any identity under the shared trust anchor.
+pub const ALLOWED_IDENTITIES_ANNOTATION: &str = "strait.dev/allowed-identities";
 
 /// Pod or Namespace annotation: `enabled` puts the pod's traffic through the
 /// node proxy transparently (when the node's CNI plugin enrolls it);
@@ -204,6 +211,12 @@ impl Snapshot {
                 .unwrap_or_default();
             let mirror = mirror_info(svc);
             let opaque = annotation_ports(svc.annotations(), PortsSource::Service);
+            let (export_key, export_value) = &config.export_label;
+            let exported = svc.labels().get(export_key) == Some(export_value);
+            let allowed_identities = svc
+                .annotations()
+                .get(ALLOWED_IDENTITIES_ANNOTATION)
+                .map(|v| Arc::<str>::from(v.as_str()));
             let workloads = namespace_ports.get(ns.as_str()).unwrap_or(&defaults);
             let timeout = svc
                 .annotations()
@@ -253,6 +266,8 @@ impl Snapshot {
                     opaque: opaque.contains(port) || workloads.contains(port),
                     endpoints: endpoints.into(),
                     timeout,
+                    exported,
+                    allowed_identities: allowed_identities.clone(),
                 });
                 for ip in &cluster_ips {
                     by_addr.insert(SocketAddr::new(*ip, port), dest.clone());
@@ -300,6 +315,8 @@ impl Snapshot {
             opaque: self.pod_opaque_ports(pod).contains(addr.port()),
             endpoints: endpoints.into(),
             timeout: None,
+            exported: false,
+            allowed_identities: None,
         }))
     }
 

@@ -24,7 +24,8 @@ use std::sync::Arc;
 
 use crate::identity::SpiffeId;
 pub use index::{
-    IndexConfig, SERVICE_NAME_LABEL, Snapshot, TRANSPARENT_ANNOTATION, pod_info, slice_port,
+    ALLOWED_IDENTITIES_ANNOTATION, IndexConfig, SERVICE_NAME_LABEL, Snapshot,
+    TRANSPARENT_ANNOTATION, pod_info, slice_port,
 };
 pub use model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
@@ -41,6 +42,8 @@ pub struct DiscoveryConfig {
     pub trust_domain: String,
     /// Inbound port of node proxies.
     pub inbound_port: u16,
+    /// The label (key, value) that exports a Service to linked clusters.
+    pub export_label: (String, String),
 }
 
 impl DiscoveryConfig {
@@ -51,6 +54,7 @@ impl DiscoveryConfig {
             cluster_domain: "cluster.local".into(),
             trust_domain: "cluster.local".into(),
             inbound_port: 4143,
+            export_label: (crate::link::EXPORT_LABEL.into(), "true".into()),
         }
     }
 }
@@ -79,6 +83,7 @@ impl Discovery {
             cluster_domain: config.cluster_domain.trim_end_matches('.').to_string(),
             trust_domain: config.trust_domain,
             inbound_port: config.inbound_port,
+            export_label: config.export_label,
         };
         let initial = Snapshot::build(&index, &[], &[], &[], &[]);
         let (tx, rx) = tokio::sync::watch::channel(Arc::new(initial));

@@ -46,6 +46,10 @@ pub struct Destination {
     pub endpoints: Arc<[Endpoint]>,
     /// `strait.dev/timeout` of the Service: the whole request, retries included.
     pub timeout: Option<std::time::Duration>,
+    /// The Service carries the export label: the gateway may serve it.
+    pub exported: bool,
+    /// `strait.dev/allowed-identities` of the Service, as written.
+    pub allowed_identities: Option<Arc<str>>,
 }
 
 /// A pod by namespace and name.

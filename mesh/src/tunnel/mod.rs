@@ -69,8 +69,8 @@
 
 pub mod client;
 pub mod header;
-pub mod quic;
 mod names;
+pub mod quic;
 mod response;
 mod wire;
 

@@ -75,8 +75,7 @@ pub fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
 /// The gateway's QUIC server config from its TLS config (TLS 1.3, client
 /// certificates required, the tunnel ALPN).
 pub fn server_config(tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, TunnelError> {
-    let crypto =
-        QuicServerConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
+    let crypto = QuicServerConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport());
     Ok(config)
@@ -84,8 +83,7 @@ pub fn server_config(tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, T
 
 /// A QUIC client config from a TLS client config.
 pub fn client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, TunnelError> {
-    let crypto =
-        QuicClientConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
+    let crypto = QuicClientConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(transport());
     Ok(config)
@@ -254,6 +252,35 @@ impl GatewayClient {
         }
     }
 
+    /// Whether new streams to this gateway would go over QUIC now. While on
+    /// the fallback, this also starts the background QUIC attempt once the
+    /// backoff is over, so a caller that keeps reusing pooled TCP streams
+    /// (and so never opens new ones) still finds its way back to QUIC.
+    pub fn prefers_quic(self: &Arc<Self>, addr: SocketAddr, identity: &SpiffeId) -> bool {
+        let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        let state = gateways.entry((addr, identity.clone())).or_default();
+        if state
+            .connection
+            .as_ref()
+            .is_some_and(|c| c.close_reason().is_none())
+        {
+            return true;
+        }
+        if state
+            .quic_down_until
+            .is_some_and(|until| Instant::now() >= until)
+            && !state.probing
+        {
+            state.probing = true;
+            let this = self.clone();
+            let identity = identity.clone();
+            tokio::spawn(async move {
+                let _ = this.connect_quic(addr, &identity).await;
+            });
+        }
+        false
+    }
+
     fn forget(&self, addr: SocketAddr, identity: &SpiffeId, connection: &quinn::Connection) {
         let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(state) = gateways.get_mut(&(addr, identity.clone()))
@@ -300,7 +327,11 @@ impl GatewayClient {
         self.connect_quic(addr, identity).await
     }
 
-    async fn connect_quic(&self, addr: SocketAddr, identity: &SpiffeId) -> Option<quinn::Connection> {
+    async fn connect_quic(
+        &self,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Option<quinn::Connection> {
         let result = async {
             let tls = (*self.tls(identity)?).clone();
             let config = client_config(tls)?;

@@ -372,3 +372,152 @@ pub fn metric_sum(text: &str, name: &str, having: &[&str]) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// The gateway as a pod on node `node` (its own address, as a Deployment's pod
+/// has): RBAC and ServiceAccount from deploy/gateway, a token bound to the
+/// pod for its identity, and the `strait-gateway` process. Returns the pod
+/// (keep it) and the process.
+pub async fn start_gateway(mesh: &mut Mesh, node: usize, extra: &[&str]) -> (NetPod, ChildProcess) {
+    let cluster = mesh.topology.cluster();
+    strait_testenv::kubectl_apply(
+        cluster,
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/gateway/rbac.yaml"),
+    );
+    let client = cluster.client();
+    strait_testenv::workloads::wait_for_service_account(
+        &client,
+        "strait-system",
+        "strait-gateway",
+        WAIT,
+    )
+    .await
+    .unwrap();
+    let name = format!("strait-gateway-{node}");
+    let pod = mesh
+        .topology
+        .add_pod(node, "strait-system", &name, |p| {
+            p.with_service_account("strait-gateway")
+                .with_label("app.kubernetes.io/name", "strait-gateway")
+        })
+        .await
+        .unwrap();
+    let cluster = mesh.topology.cluster();
+    let client = cluster.client();
+    let uid = Api::<Pod>::namespaced(client.clone(), "strait-system")
+        .get(&name)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let identity_token = token(
+        &client,
+        "strait-system",
+        "strait-gateway",
+        &[TOKEN_AUDIENCE],
+        Some((&name, &uid)),
+    )
+    .await;
+    let api_token = token(&client, "strait-system", "strait-gateway", &[], None).await;
+    let dir = mesh.dir.path().join(&name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let kc = kubeconfig::with_token(
+        cluster.name(),
+        &cluster.server_url(),
+        cluster.ca_pem(),
+        &api_token,
+    );
+    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
+    std::fs::write(dir.join("token"), identity_token).unwrap();
+    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let mut args = vec![
+        "--cluster-name=mesh".to_string(),
+        format!("--trust-domain={TRUST_DOMAIN}"),
+        format!("--issuer-addr={}", mesh.issuer.addr),
+        format!("--issuer-name={}", issuer::ISSUER_DNS),
+        format!("--trust-anchors={}", s(&dir.join("ca.crt"))),
+        format!("--token-file={}", s(&dir.join("token"))),
+        "--drain-timeout=2s".to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let log_filter = std::env::var("STRAIT_PROXY_LOG")
+        .unwrap_or("strait_gateway=debug,strait_mesh=debug,info".into());
+    let child = pod
+        .spawn(
+            &name,
+            &workspace_binary("strait-gateway"),
+            &args,
+            &[
+                ("KUBECONFIG", dir.join("kubeconfig").as_os_str()),
+                ("RUST_LOG", std::ffi::OsStr::new(&log_filter)),
+            ],
+            &dir.join("gateway.log"),
+        )
+        .unwrap();
+    let admin = SocketAddr::new(IpAddr::V4(pod.ip()), 4191);
+    eventually("the gateway is ready", WAIT, || async {
+        let out = http_get(admin, "/ready").await?;
+        if out.starts_with("HTTP/1.1 200") {
+            Ok(())
+        } else {
+            Err(out)
+        }
+    })
+    .await;
+    (pod, child)
+}
+
+/// A mirror of `service` as the mirror controller writes it: `<service>-<cluster>`
+/// with the mirror labels and remote name, and an EndpointSlice pointing at
+/// the gateway (`gateway_ip:4143`, its identity annotated).
+pub async fn mirror_service(client: &Client, service: &str, cluster: &str, gateway_ip: IpAddr) {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let name = format!("{service}-{cluster}");
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "shop",
+            "labels": {"strait.dev/mirrored-service": "true", "strait.dev/cluster-name": cluster},
+            "annotations": {"strait.dev/remote-svc-fq-name": format!("{service}.shop.svc.cluster.local")}},
+        "spec": {"ports": [
+            {"name": "http", "port": 80}, {"name": "echo", "port": 9000}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), "shop")
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-gateway"), "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": name,
+                       "endpointslice.kubernetes.io/managed-by": "mirror.strait.dev"},
+            "annotations": {"strait.dev/gateway-identity":
+                format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 4143, "protocol": "TCP"},
+                  {"name": "echo", "port": 4143, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [gateway_ip.to_string()], "conditions": {"ready": true}}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), "shop")
+        .create(&PostParams::default(), &slice)
+        .await
+        .unwrap();
+}
+
+/// Labels `service` exported (or not).
+pub async fn export(client: &Client, service: &str, exported: bool) {
+    use kube::api::{Patch, PatchParams};
+    let value = if exported {
+        json!("true")
+    } else {
+        serde_json::Value::Null
+    };
+    Api::<Service>::namespaced(client.clone(), "shop")
+        .patch(
+            service,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"strait.dev/exported": value}}})),
+        )
+        .await
+        .unwrap();
+}

@@ -13,6 +13,7 @@ fn config() -> IndexConfig {
         cluster_domain: "cluster.local".into(),
         trust_domain: "east.strait".into(),
         inbound_port: 4143,
+        export_label: ("strait.dev/exported".into(), "true".into()),
     }
 }
 

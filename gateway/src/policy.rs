@@ -1,0 +1,139 @@
+//! Who may do what at the gateway. Pure functions.
+//!
+//! - **Speaking for someone else.** A stream's header may name the original
+//!   caller (`source`); only a node proxy may do that (it holds the identities
+//!   of the pods on its node and has proven its own). Anyone else is the caller
+//!   itself, and a `source` from it is refused.
+//! - **Calling a Service.** `strait.dev/allowed-identities` on the exported
+//!   Service lists who may call it (SPIFFE IDs; `*` matches one whole path
+//!   segment or the trust domain). Unset: any identity under the shared trust
+//!   anchor, which mutual TLS has already checked.
+
+use strait_mesh::identity::SpiffeId;
+
+/// The namespace and ServiceAccount of node proxies.
+pub const PROXY_ACCOUNT: (&str, &str) = ("strait-system", "strait-proxy");
+
+/// Whether `peer` may name another caller in a stream header.
+pub fn may_speak_for_others(peer: &SpiffeId) -> bool {
+    (peer.namespace(), peer.service_account()) == PROXY_ACCOUNT
+}
+
+/// One entry of `strait.dev/allowed-identities`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdentityPattern {
+    trust_domain: String,
+    /// The path's segments (`ns`, `<ns>`, `sa`, `<sa>`).
+    segments: Vec<String>,
+}
+
+impl IdentityPattern {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let rest = text.trim().strip_prefix("spiffe://").ok_or_else(|| {
+            format!("{text:?} is not a SPIFFE ID pattern: write spiffe://<trust domain>/ns/<ns>/sa/<sa> (`*` for any one part)")
+        })?;
+        let (domain, path) = rest.split_once('/').ok_or_else(|| {
+            format!("{text:?} has no path: write spiffe://<trust domain>/ns/<ns>/sa/<sa>")
+        })?;
+        let segments: Vec<String> = path.split('/').map(str::to_string).collect();
+        if domain.is_empty() || segments.iter().any(String::is_empty) {
+            return Err(format!("{text:?} has an empty part"));
+        }
+        Ok(Self {
+            trust_domain: domain.to_string(),
+            segments,
+        })
+    }
+
+    pub fn matches(&self, id: &SpiffeId) -> bool {
+        let text = id.to_string();
+        let Some(rest) = text.strip_prefix("spiffe://") else {
+            return false;
+        };
+        let Some((domain, path)) = rest.split_once('/') else {
+            return false;
+        };
+        let segments: Vec<&str> = path.split('/').collect();
+        let one = |pattern: &str, value: &str| pattern == "*" || pattern == value;
+        one(&self.trust_domain, domain)
+            && segments.len() == self.segments.len()
+            && self.segments.iter().zip(&segments).all(|(p, v)| one(p, v))
+    }
+}
+
+/// Parses an `allowed-identities` value; bad entries are reported and left
+/// out (a typo must not open the Service to everyone: with bad entries only,
+/// nobody matches).
+pub fn parse_allowed(value: &str) -> (Vec<IdentityPattern>, Vec<String>) {
+    let mut patterns = Vec::new();
+    let mut errors = Vec::new();
+    for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        match IdentityPattern::parse(entry) {
+            Ok(p) => patterns.push(p),
+            Err(e) => errors.push(e),
+        }
+    }
+    (patterns, errors)
+}
+
+/// Whether `caller` may call a Service whose annotation is `allowed`.
+pub fn allowed(caller: &SpiffeId, allowed: Option<&str>) -> bool {
+    match allowed {
+        None => true,
+        Some(value) => parse_allowed(value).0.iter().any(|p| p.matches(caller)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> SpiffeId {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn only_node_proxies_speak_for_others() {
+        assert!(may_speak_for_others(&id(
+            "spiffe://east.strait/ns/strait-system/sa/strait-proxy"
+        )));
+        for other in [
+            "spiffe://east.strait/ns/shop/sa/strait-proxy",
+            "spiffe://east.strait/ns/strait-system/sa/strait-mirror",
+            "spiffe://east.strait/ns/shop/sa/web",
+        ] {
+            assert!(!may_speak_for_others(&id(other)), "{other}");
+        }
+    }
+
+    #[test]
+    fn patterns_match_whole_segments() {
+        let caller = id("spiffe://east.strait/ns/shop/sa/web");
+        assert!(allowed(&caller, None));
+        assert!(allowed(
+            &caller,
+            Some("spiffe://east.strait/ns/shop/sa/web")
+        ));
+        assert!(allowed(&caller, Some("spiffe://*/ns/shop/sa/*")));
+        assert!(allowed(
+            &caller,
+            Some(" spiffe://west.strait/ns/x/sa/y , spiffe://east.strait/ns/shop/sa/*")
+        ));
+        assert!(!allowed(
+            &caller,
+            Some("spiffe://east.strait/ns/shop/sa/api")
+        ));
+        assert!(!allowed(
+            &caller,
+            Some("spiffe://west.strait/ns/shop/sa/web")
+        ));
+        assert!(!allowed(&caller, Some("spiffe://*/ns/shop")));
+        assert!(!allowed(&caller, Some("spiffe://*/ns/sh*/sa/web")));
+        // Only bad entries: nobody, not everybody.
+        assert!(!allowed(&caller, Some("web, shop/web")));
+        assert!(!allowed(&caller, Some("")));
+        let (ok, errors) = parse_allowed("spiffe://a/ns/b/sa/c, nonsense, spiffe://x");
+        assert_eq!(ok.len(), 1);
+        assert_eq!(errors.len(), 2, "{errors:?}");
+    }
+}

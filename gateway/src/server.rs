@@ -1,0 +1,490 @@
+//! The gateway's data path: QUIC (UDP 4143) and TCP + TLS (TCP 4143) in,
+//! one tunnel header per stream, the policy, and on through this cluster's
+//! node proxies to a pod of the named Service, carrying the caller's identity.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use strait_mesh::discovery::{Discovery, Route};
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::client::ManagedIdentity;
+use strait_mesh::identity::tls::{self, TrustBundle};
+use strait_mesh::tunnel::client::open_to_pod;
+use strait_mesh::tunnel::{
+    DEFAULT_READ_TIMEOUT, ResponseStatus, TUNNEL_ALPN, Target, TunnelHeader, TunnelResponse,
+};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use crate::policy;
+
+/// How long a TCP + TLS handshake may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StreamLabels {
+    /// `quic` or `tcp`.
+    pub transport: String,
+    /// The caller's trust domain (its cluster).
+    pub src_trust_domain: String,
+    pub src_namespace: String,
+    pub src_workload: String,
+    /// This gateway's cluster.
+    pub dst_cluster: String,
+    pub dst_namespace: String,
+    pub dst_service: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeniedLabels {
+    pub reason: String,
+    pub src_trust_domain: String,
+    pub dst_cluster: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransportLabels {
+    pub transport: String,
+}
+
+/// `/metrics` of the gateway.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayMetrics {
+    pub connections: Family<TransportLabels, Counter>,
+    pub streams: Family<StreamLabels, Counter>,
+    pub stream_bytes: Family<StreamLabels, Counter>,
+    pub denied: Family<DeniedLabels, Counter>,
+    pub open_streams: Gauge,
+}
+
+impl GatewayMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "gateway_connections",
+            "Connections accepted, by transport",
+            self.connections.clone(),
+        );
+        registry.register(
+            "gateway_streams",
+            "Streams forwarded to a pod, by caller and Service",
+            self.streams.clone(),
+        );
+        registry.register(
+            "gateway_stream_bytes",
+            "Bytes carried both ways by forwarded streams",
+            self.stream_bytes.clone(),
+        );
+        registry.register(
+            "gateway_denied",
+            "Streams refused, by reason",
+            self.denied.clone(),
+        );
+        registry.register(
+            "gateway_open_streams",
+            "Streams open now",
+            self.open_streams.clone(),
+        );
+    }
+}
+
+pub struct Gateway {
+    pub cluster: String,
+    pub discovery: Discovery,
+    pub identity: Arc<ManagedIdentity>,
+    pub bundle: TrustBundle,
+    pub metrics: GatewayMetrics,
+    /// Client configs by destination pod identity (building one validates the anchors).
+    configs: Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
+    next: AtomicUsize,
+    /// Streams open now (for the drain).
+    active: Arc<AtomicUsize>,
+}
+
+struct StreamGuard(Arc<AtomicUsize>, Gauge);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.dec();
+    }
+}
+
+impl Gateway {
+    pub fn new(
+        cluster: &str,
+        discovery: Discovery,
+        identity: Arc<ManagedIdentity>,
+        bundle: TrustBundle,
+        metrics: GatewayMetrics,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            cluster: cluster.to_string(),
+            discovery,
+            identity,
+            bundle,
+            metrics,
+            configs: Mutex::new(HashMap::new()),
+            next: AtomicUsize::new(0),
+            active: Arc::default(),
+        })
+    }
+
+    /// The server side's TLS: TLS 1.3, client certificates under the anchor
+    /// required, the tunnel ALPN; follows the gateway's certificate refreshes.
+    pub fn server_tls(&self) -> Result<rustls::ServerConfig, tls::TlsError> {
+        tls::server_config(&self.bundle, self.identity.cert(), &[TUNNEL_ALPN])
+    }
+
+    /// Streams open now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// Accepts QUIC connections until `stop` turns true.
+    pub async fn serve_quic(
+        self: Arc<Self>,
+        endpoint: quinn::Endpoint,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            let incoming = tokio::select! {
+                i = endpoint.accept() => i,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let Some(incoming) = incoming else { return };
+            let this = self.clone();
+            tokio::spawn(async move {
+                let connection = match incoming.await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::debug!("QUIC handshake: {e}");
+                        return;
+                    }
+                };
+                let remote = connection.remote_address();
+                let Some(peer) = quic_peer(&connection) else {
+                    tracing::info!(%remote, "QUIC peer without a SPIFFE identity: closing");
+                    connection.close(1u32.into(), b"no identity");
+                    return;
+                };
+                this.metrics
+                    .connections
+                    .get_or_create(&TransportLabels {
+                        transport: "quic".into(),
+                    })
+                    .inc();
+                loop {
+                    match connection.accept_bi().await {
+                        Ok((send, recv)) => {
+                            let (this, peer) = (this.clone(), peer.clone());
+                            tokio::spawn(async move {
+                                let stream = tokio::io::join(recv, send);
+                                this.stream(stream, peer, "quic").await;
+                            });
+                        }
+                        Err(e) => {
+                            tracing::debug!(%remote, "QUIC connection ended: {e}");
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    /// Accepts TCP + TLS connections (the fallback) until `stop` turns true.
+    pub async fn serve_tcp(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let (tcp, remote) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("TCP accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let (this, acceptor) = (self.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%remote, "TLS handshake: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%remote, "TLS handshake timed out");
+                        return;
+                    }
+                };
+                let Ok(peer) = tls::peer_identity(tls.get_ref().1.peer_certificates()) else {
+                    tracing::info!(%remote, "TLS peer without a SPIFFE identity: closing");
+                    return;
+                };
+                this.metrics
+                    .connections
+                    .get_or_create(&TransportLabels {
+                        transport: "tcp".into(),
+                    })
+                    .inc();
+                this.stream(tls, peer, "tcp").await;
+            });
+        }
+    }
+
+    /// One stream: header, checks, a tunnel to a pod, then bytes both ways.
+    pub async fn stream<S>(self: Arc<Self>, mut stream: S, peer: SpiffeId, transport: &'static str)
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        self.active.fetch_add(1, Ordering::AcqRel);
+        self.metrics.open_streams.inc();
+        let _guard = StreamGuard(self.active.clone(), self.metrics.open_streams.clone());
+        let header = match TunnelHeader::read_from(&mut stream, DEFAULT_READ_TIMEOUT).await {
+            Ok(h) => h,
+            Err(e) => {
+                self.deny(&peer, "bad-header");
+                if let Some(answer) = TunnelResponse::for_header_error(&e) {
+                    let _ = answer.write_to(&mut stream).await;
+                }
+                tracing::debug!(%peer, "tunnel header: {e}");
+                return;
+            }
+        };
+        match self.route(&header, &peer).await {
+            Ok((tunnel, labels)) => {
+                if TunnelResponse::ok().write_to(&mut stream).await.is_err() {
+                    return;
+                }
+                let mut labels = labels;
+                labels.transport = transport.into();
+                self.metrics.streams.get_or_create(&labels).inc();
+                let mut tunnel = tunnel;
+                // A stream lives as long as the caller keeps it (pooled HTTP
+                // keeps it for many requests): when the Service stops being
+                // exported or its policy stops allowing the caller, close it.
+                let caller = header.source.clone().unwrap_or_else(|| peer.clone());
+                let revoked = self.revoked(&caller, &header);
+                tokio::select! {
+                    copied = tokio::io::copy_bidirectional(&mut stream, &mut tunnel) => {
+                        let (up, down) = copied.unwrap_or((0, 0));
+                        self.metrics
+                            .stream_bytes
+                            .get_or_create(&labels)
+                            .inc_by(up + down);
+                    }
+                    why = revoked => {
+                        self.deny(&caller, "revoked");
+                        tracing::info!(%caller, "closing a stream: {why}");
+                    }
+                }
+            }
+            Err((status, reason, message)) => {
+                self.deny(header.source.as_ref().unwrap_or(&peer), reason);
+                tracing::info!(%peer, source = ?header.source.as_ref().map(ToString::to_string), "refused: {message}");
+                let _ = TunnelResponse::refused(status, message)
+                    .write_to(&mut stream)
+                    .await;
+                let _ = stream.shutdown().await;
+            }
+        }
+    }
+
+    /// Resolves once `caller` may no longer use the Service `header` names.
+    async fn revoked(&self, caller: &SpiffeId, header: &TunnelHeader) -> String {
+        let Target::Service { fqdn, port } = &header.target else {
+            return std::future::pending().await;
+        };
+        let mut updates = self.discovery.updates();
+        loop {
+            if updates.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            let snapshot = updates.borrow_and_update().clone();
+            match snapshot.resolve_name(fqdn.as_str(), *port) {
+                None => return format!("Service {} is gone", fqdn.as_str()),
+                Some(d) if !d.exported => {
+                    return format!("Service {} is no longer exported", fqdn.as_str());
+                }
+                Some(d) if !policy::allowed(caller, d.allowed_identities.as_deref()) => {
+                    return format!(
+                        "{caller} is no longer allowed to call {} (strait.dev/allowed-identities)",
+                        fqdn.as_str()
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    fn deny(&self, caller: &SpiffeId, reason: &str) {
+        self.metrics
+            .denied
+            .get_or_create(&DeniedLabels {
+                reason: reason.into(),
+                src_trust_domain: caller.trust_domain().into(),
+                dst_cluster: self.cluster.clone(),
+            })
+            .inc();
+    }
+
+    /// The checks, then a tunnel to a pod of the Service for the caller.
+    async fn route(
+        &self,
+        header: &TunnelHeader,
+        peer: &SpiffeId,
+    ) -> Result<
+        (tokio_rustls::client::TlsStream<TcpStream>, StreamLabels),
+        (ResponseStatus, &'static str, String),
+    > {
+        let caller = match &header.source {
+            Some(source) if policy::may_speak_for_others(peer) => source.clone(),
+            Some(source) => {
+                return Err((
+                    ResponseStatus::Denied,
+                    "source-claim",
+                    format!("{peer} may not speak for {source}: only node proxies may"),
+                ));
+            }
+            None => peer.clone(),
+        };
+        let Target::Service { fqdn, port } = &header.target else {
+            return Err((
+                ResponseStatus::NotFound,
+                "not-a-service",
+                "a gateway delivers to exported Services by name, not to pods".into(),
+            ));
+        };
+        let Some(destination) = self.discovery.resolve_name(fqdn.as_str(), *port) else {
+            return Err((
+                ResponseStatus::NotFound,
+                "unknown-service",
+                format!(
+                    "no Service {}:{port} in cluster {}",
+                    fqdn.as_str(),
+                    self.cluster
+                ),
+            ));
+        };
+        let service: (String, String) = destination
+            .service
+            .as_ref()
+            .map(|s| (s.namespace.clone(), s.name.clone()))
+            .unwrap_or_default();
+        if !destination.exported {
+            return Err((
+                ResponseStatus::Denied,
+                "not-exported",
+                format!(
+                    "Service {}/{} is not exported from cluster {} (label it strait.dev/exported=true)",
+                    service.0, service.1, self.cluster
+                ),
+            ));
+        }
+        if !policy::allowed(&caller, destination.allowed_identities.as_deref()) {
+            return Err((
+                ResponseStatus::Denied,
+                "policy",
+                format!(
+                    "{caller} is not allowed to call {}/{} (strait.dev/allowed-identities)",
+                    service.0, service.1
+                ),
+            ));
+        }
+        let endpoints: Vec<_> = destination
+            .endpoints
+            .iter()
+            .filter_map(|e| match &e.route {
+                Route::NodeProxy {
+                    proxy, identity, ..
+                } => Some((e.addr, *proxy, identity.clone())),
+                _ => None,
+            })
+            .collect();
+        if endpoints.is_empty() {
+            return Err((
+                ResponseStatus::TargetUnavailable,
+                "no-endpoints",
+                format!("Service {}/{} has no ready pods", service.0, service.1),
+            ));
+        }
+        let labels = StreamLabels {
+            transport: String::new(),
+            src_trust_domain: caller.trust_domain().into(),
+            src_namespace: caller.namespace().into(),
+            src_workload: caller.service_account().into(),
+            dst_cluster: self.cluster.clone(),
+            dst_namespace: service.0.clone(),
+            dst_service: service.1.clone(),
+        };
+        // Round robin from a moving start; on a retryable failure, the next.
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..endpoints.len() {
+            let (pod, node, identity) = &endpoints[(start + i) % endpoints.len()];
+            let config = self
+                .config_for(identity)
+                .map_err(|e| (ResponseStatus::TargetUnavailable, "config", e.to_string()))?;
+            match open_to_pod(
+                config,
+                *node,
+                *pod,
+                identity,
+                header.protocol,
+                Some(caller.clone()),
+            )
+            .await
+            {
+                Ok(tunnel) => return Ok((tunnel, labels)),
+                Err(e) if e.retryable() => last = e.to_string(),
+                Err(e) => {
+                    return Err((ResponseStatus::TargetUnavailable, "upstream", e.to_string()));
+                }
+            }
+        }
+        Err((ResponseStatus::TargetUnavailable, "upstream", last))
+    }
+
+    fn config_for(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, tls::TlsError> {
+        let mut configs = self.configs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = configs.get(identity) {
+            return Ok(found.clone());
+        }
+        let config = Arc::new(tls::client_config(
+            &self.bundle,
+            self.identity.cert(),
+            vec![identity.clone()],
+            &[TUNNEL_ALPN],
+        )?);
+        configs.insert(identity.clone(), config.clone());
+        Ok(config)
+    }
+}
+
+/// The SPIFFE ID of a QUIC peer.
+fn quic_peer(connection: &quinn::Connection) -> Option<SpiffeId> {
+    let certs = connection
+        .peer_identity()?
+        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+        .ok()?;
+    tls::peer_identity(Some(certs.as_slice())).ok()
+}

@@ -1,0 +1,170 @@
+//! The gateway data path in one cluster (testenv nodes, root): a mirror
+//! Service whose endpoint is the gateway, called from a pod on node 1 →
+//! its node proxy → QUIC (or TCP + TLS when UDP is blocked) → the gateway →
+//! the node proxy of a backend pod → the pod, which learns the caller's
+//! identity. Real processes, real sockets, real certificates.
+
+use std::path::Path;
+
+use k8s_openapi::api::core::v1::Service;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
+use strait_testenv::issuer::http_get;
+use strait_testenv::wait::eventually;
+
+mod common;
+
+use common::*;
+
+async fn gateway_metrics(pod: &strait_testenv::NetPod) -> String {
+    http_get(
+        std::net::SocketAddr::new(std::net::IpAddr::V4(pod.ip()), 4191),
+        "/metrics",
+    )
+    .await
+    .unwrap()
+}
+
+fn body(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp() {
+    let Some(mut mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
+        return;
+    };
+    let client = mesh.topology.cluster().client();
+    export(&client, "web", true).await;
+    let (gw_pod, gw) = start_gateway(&mut mesh, 2, &[]).await;
+    mesh.proxies.push(gw);
+    let gw_ip = std::net::IpAddr::V4(gw_pod.ip());
+    mirror_service(&client, "web", "west", gw_ip).await;
+    mirror_service(&client, "slow", "west", gw_ip).await;
+
+    // UDP to the gateway blocked from the caller's node: QUIC cannot connect,
+    // TCP + TLS carries the traffic.
+    let node0 = mesh.topology.node(0).unwrap().clone();
+    let block = [
+        "-w", "-I", "OUTPUT", "-p", "udp", "--dport", "4143", "-j", "DROP",
+    ];
+    let out = node0.command("iptables").args(block).output().unwrap();
+    assert!(out.status.success(), "{}", body(&out));
+    let url = "http://web-west.shop.svc.cluster.local/cross";
+    let first = eventually("the mirror answers through the gateway", WAIT, || async {
+        let out = curl(&mesh, &[url]);
+        answered_by(&out).map(|pod| (pod, body(&out)))
+    })
+    .await;
+    assert!(first.0.starts_with("web-"), "{}", first.1);
+    let v: serde_json::Value = serde_json::from_str(first.1.trim()).unwrap();
+    assert_eq!(
+        v["headers"]["strait-client-id"],
+        format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/client"),
+        "the pod learns the original caller, not the gateway: {v}"
+    );
+    let m = gateway_metrics(&gw_pod).await;
+    assert!(
+        metric_sum(&m, "gateway_connections_total", &["transport=\"tcp\""]) >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_sum(&m, "gateway_connections_total", &["transport=\"quic\""]),
+        0.0,
+        "{m}"
+    );
+
+    // Unblocked: back to QUIC by itself (a background attempt after the backoff).
+    let unblock = [
+        "-w", "-D", "OUTPUT", "-p", "udp", "--dport", "4143", "-j", "DROP",
+    ];
+    let out = node0.command("iptables").args(unblock).output().unwrap();
+    assert!(out.status.success(), "{}", body(&out));
+    eventually("streams move back to QUIC", WAIT, || async {
+        let out = curl(&mesh, &[url]);
+        answered_by(&out)?;
+        let m = gateway_metrics(&gw_pod).await;
+        if metric_sum(
+            &m,
+            "gateway_streams_total",
+            &["transport=\"quic\"", "src_workload=\"client\""],
+        ) >= 1.0
+        {
+            Ok(())
+        } else {
+            Err("no QUIC stream yet".to_string())
+        }
+    })
+    .await;
+
+    // Opaque TCP through CONNECT to the mirror's echo port.
+    let client_pod = pod(&mesh, "client");
+    let script = format!(
+        "exec 3<>/dev/tcp/{}/4140; printf 'CONNECT web-west.shop:9000 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\nhello-gateway\\n' >&3; timeout 3 cat <&3",
+        client_pod.node().ip()
+    );
+    let out = client_pod
+        .command("bash")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let text = body(&out);
+    assert!(
+        text.contains("200") && text.contains("hello-gateway"),
+        "echo through the gateway: {text}"
+    );
+
+    // A Service that is not exported: refused at the gateway, saying why.
+    let out = curl(&mesh, &["http://slow-west.shop.svc.cluster.local/"]);
+    let text = body(&out);
+    assert!(text.contains("not exported"), "{text}");
+
+    // The Service's policy: only listed identities may call.
+    let services: Api<Service> = Api::namespaced(client.clone(), "shop");
+    let set_allowed = |value: serde_json::Value| {
+        let services = services.clone();
+        async move {
+            services
+                .patch(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"annotations": {
+                        "strait.dev/allowed-identities": value}}})),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    set_allowed(json!("spiffe://*/ns/shop/sa/someone-else")).await;
+    let denied = eventually("the policy denies the client", WAIT, || async {
+        let out = curl(&mesh, &[url]);
+        let text = body(&out);
+        if text.contains("not allowed") {
+            Ok(text)
+        } else {
+            Err(text)
+        }
+    })
+    .await;
+    assert!(denied.contains("shop/sa/client"), "{denied}");
+    let m = gateway_metrics(&gw_pod).await;
+    assert!(
+        metric_sum(&m, "gateway_denied_total", &["reason=\"policy\""]) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        metric_sum(&m, "gateway_denied_total", &["reason=\"not-exported\""]) >= 1.0,
+        "{m}"
+    );
+    set_allowed(json!("spiffe://*/ns/shop/sa/client")).await;
+    eventually("the listed caller is let through", WAIT, || async {
+        answered_by(&curl(&mesh, &[url]))
+    })
+    .await;
+    mesh.pods.insert("gateway".into(), (gw_pod, None));
+}
