@@ -63,6 +63,7 @@ pub struct GatewayMetrics {
     pub stream_bytes: Family<StreamLabels, Counter>,
     pub denied: Family<DeniedLabels, Counter>,
     pub open_streams: Gauge,
+    pub probes: Family<TransportLabels, Counter>,
 }
 
 impl GatewayMetrics {
@@ -86,6 +87,11 @@ impl GatewayMetrics {
             "gateway_denied",
             "Streams refused, by reason",
             self.denied.clone(),
+        );
+        registry.register(
+            "gateway_probes",
+            "Probes answered (through the tunnel), by transport",
+            self.probes.clone(),
         );
         registry.register(
             "gateway_open_streams",
@@ -270,6 +276,28 @@ impl Gateway {
                 return;
             }
         };
+        if let Target::Service { fqdn, .. } = &header.target
+            && fqdn.as_str() == strait_mesh::tunnel::quic::PROBE_FQDN
+        {
+            // A probe (anyone under the anchor may ask): ready means synced.
+            let answer = if self.discovery.is_synced() {
+                TunnelResponse::ok()
+            } else {
+                TunnelResponse::refused(
+                    ResponseStatus::TargetUnavailable,
+                    "the gateway has not synced with its API server yet",
+                )
+            };
+            self.metrics
+                .probes
+                .get_or_create(&TransportLabels {
+                    transport: transport.into(),
+                })
+                .inc();
+            let _ = answer.write_to(&mut stream).await;
+            let _ = stream.shutdown().await;
+            return;
+        }
         match self.route(&header, &peer).await {
             Ok((tunnel, labels)) => {
                 if TunnelResponse::ok().write_to(&mut stream).await.is_err() {

@@ -102,6 +102,41 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     })
     .await;
 
+    // The probe through the tunnel itself (what the mirror controller's
+    // gateway probe is to use): same QUIC path, header, answer; as a mirror
+    // controller would, with its own certificate under the anchor.
+    let signer =
+        strait_mesh::identity::ca::LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem)
+            .unwrap();
+    let prober_id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-mirror")
+        .parse()
+        .unwrap();
+    let cert = signer
+        .new_identity(&prober_id, std::time::Duration::from_secs(3600))
+        .unwrap();
+    let bundle =
+        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let prober = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();
+    let gateway_id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")
+        .parse()
+        .unwrap();
+    let gw_addr = std::net::SocketAddr::new(gw_ip, 4143);
+    let (rtt, transport) = prober.probe(gw_addr, &gateway_id).await.unwrap();
+    assert_eq!(transport, "quic");
+    let (again, _) = prober.probe(gw_addr, &gateway_id).await.unwrap();
+    eprintln!("tunnel probe: first {rtt:?} (QUIC handshake included), then {again:?}");
+    let m = gateway_metrics(&gw_pod).await;
+    assert!(
+        metric_sum(&m, "gateway_probes_total", &["transport=\"quic\""]) >= 2.0,
+        "{m}"
+    );
+    // A gateway that is not the Link's gateway identity fails the probe.
+    let wrong: strait_mesh::identity::SpiffeId =
+        format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/impostor")
+            .parse()
+            .unwrap();
+    assert!(prober.probe(gw_addr, &wrong).await.is_err());
+
     // Opaque TCP through CONNECT to the mirror's echo port.
     let client_pod = pod(&mesh, "client");
     let script = format!(

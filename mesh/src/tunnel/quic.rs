@@ -154,6 +154,22 @@ impl AsyncWrite for GatewayStream {
     }
 }
 
+/// The reserved target of a probe: a gateway answers a stream naming it with
+/// OK when it is ready to forward (and nothing else), so the probe's time is
+/// the real path's: the same QUIC connection (or fallback), TLS and header
+/// exchange as traffic. Not a name any cluster's Services can have.
+pub const PROBE_FQDN: &str = "probe.gateway.strait.internal";
+/// The port the probe target names.
+pub const PROBE_PORT: u16 = 4143;
+
+/// The header of a probe stream.
+pub fn probe_header() -> TunnelHeader {
+    TunnelHeader::new(
+        super::Target::service(PROBE_FQDN, PROBE_PORT).expect("the probe target is valid"),
+        super::Protocol::Opaque,
+    )
+}
+
 /// What the client knows about one gateway (address and identity).
 #[derive(Default)]
 struct GatewayState {
@@ -250,6 +266,22 @@ impl GatewayClient {
             }) if c.close_reason().is_none() => "quic",
             _ => "tcp",
         }
+    }
+
+    /// Probes the gateway through the tunnel: a stream with the probe target,
+    /// answered OK when the gateway can forward. Returns the round trip and
+    /// the transport used (`quic` or `tcp`).
+    pub async fn probe(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Result<(Duration, &'static str), TunnelError> {
+        let started = Instant::now();
+        let mut stream = self.open(addr, identity, &probe_header()).await?;
+        let elapsed = started.elapsed();
+        let transport = stream.transport();
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+        Ok((elapsed, transport))
     }
 
     /// Whether new streams to this gateway would go over QUIC now. While on
