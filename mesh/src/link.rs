@@ -87,11 +87,16 @@ pub struct LinkSpec {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ProbeSpec {
+    /// For an HTTPS probe (see `port`): the path to GET, expecting 200.
     #[serde(default = "default_probe_path")]
     pub path: String,
-    #[serde(default = "default_probe_port")]
+    /// Unset or the gateway port (the default): the probe opens a tunnel
+    /// stream to the gateway's probe target, over QUIC falling back to TCP, so
+    /// it measures the real path. Any other port (e.g. the admin port 4191):
+    /// an HTTPS GET of `path` with mutual TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
-    pub port: u16,
+    pub port: Option<u16>,
     /// Time between probes, e.g. "3s".
     #[serde(default = "default_probe_period")]
     pub period: String,
@@ -108,7 +113,7 @@ impl Default for ProbeSpec {
     fn default() -> Self {
         Self {
             path: default_probe_path(),
-            port: default_probe_port(),
+            port: None,
             period: default_probe_period(),
             timeout: default_probe_timeout(),
             failure_threshold: default_failure_threshold(),
@@ -154,9 +159,6 @@ fn default_gateway_port() -> u16 {
 }
 fn default_probe_path() -> String {
     "/ready".into()
-}
-fn default_probe_port() -> u16 {
-    4191
 }
 fn default_probe_period() -> String {
     "3s".into()

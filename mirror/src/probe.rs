@@ -1,6 +1,10 @@
-//! The gateway probe: every `probe.period`, an HTTPS GET of `probe.path` on each
-//! gateway address at `probe.port`, over mutual TLS that accepts only the Link's
-//! `gatewayIdentity`. After `failureThreshold` failures in a row an address
+//! The gateway probe: every `probe.period`, each gateway address is probed with
+//! the controller's identity, accepting only the Link's `gatewayIdentity`.
+//! By default (`probe.port` unset or the gateway port) through the tunnel
+//! itself: a stream to the gateway's probe target over the same QUIC (or
+//! TCP fallback) path traffic takes, so the latency is the real path's;
+//! with another `probe.port`, an HTTPS GET of `probe.path` there (the admin
+//! port). After `failureThreshold` failures in a row an address
 //! counts as down and its mirror endpoints turn not ready; one success brings it
 //! back. Each address is judged on its own, so one dead replica of a gateway
 //! behind several addresses does not take the others' endpoints down.
@@ -17,6 +21,7 @@ use rustls::pki_types::ServerName;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
 use strait_mesh::link::ProbeSpec;
+use strait_mesh::tunnel::quic::GatewayClient;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -43,6 +48,8 @@ pub struct GatewayEndpoint {
 pub struct ProbeSettings {
     pub path: String,
     pub port: u16,
+    /// The gateway's tunnel port: a probe on it goes through the tunnel.
+    pub gateway_port: u16,
     pub period: Duration,
     pub timeout: Duration,
     pub failure_threshold: u32,
@@ -50,7 +57,7 @@ pub struct ProbeSettings {
 
 impl ProbeSettings {
     /// Parses durations; what cannot be parsed falls back to the defaults, with a warning.
-    pub fn from_spec(spec: &ProbeSpec) -> Self {
+    pub fn from_spec(spec: &ProbeSpec, gateway_port: u16) -> Self {
         let parse = |what: &str, text: &str, default: Duration| {
             humantime::parse_duration(text).unwrap_or_else(|e| {
                 tracing::warn!("probe {what} {text:?} is not a duration ({e}); using {default:?}");
@@ -63,7 +70,8 @@ impl ProbeSettings {
             } else {
                 format!("/{}", spec.path)
             },
-            port: spec.port,
+            port: spec.port.unwrap_or(gateway_port),
+            gateway_port,
             period: parse("period", &spec.period, Duration::from_secs(3))
                 .max(Duration::from_millis(100)),
             timeout: parse("timeout", &spec.timeout, Duration::from_secs(2))
@@ -122,6 +130,36 @@ pub async fn probe_once(
     tokio::time::timeout(settings.timeout, attempt)
         .await
         .map_err(|_| format!("{ip}:{port} gave no answer within {:?}", settings.timeout))?
+}
+
+/// How a Link's gateways are probed.
+enum Prober {
+    /// Through the tunnel (the gateway port): the data path itself.
+    Tunnel {
+        client: Arc<GatewayClient>,
+        expected: SpiffeId,
+    },
+    /// HTTPS GET of `probe.path` on another port (the admin port).
+    Https(tokio_rustls::TlsConnector),
+}
+
+impl Prober {
+    async fn probe(&self, ip: IpAddr, settings: &ProbeSettings) -> Result<Duration, String> {
+        match self {
+            Prober::Https(connector) => probe_once(connector, ip, settings).await,
+            Prober::Tunnel { client, expected } => {
+                let addr = std::net::SocketAddr::new(ip, settings.port);
+                match tokio::time::timeout(settings.timeout, client.probe(addr, expected)).await {
+                    Ok(Ok((latency, _transport))) => Ok(latency),
+                    Ok(Err(e)) => Err(format!("tunnel probe of {addr}: {e}")),
+                    Err(_) => Err(format!(
+                        "tunnel probe of {addr}: no answer within {:?}",
+                        settings.timeout
+                    )),
+                }
+            }
+        }
+    }
 }
 
 /// Everything one Link's probe needs.
@@ -200,7 +238,7 @@ impl GatewayProbe {
             );
             let results = futures::future::join_all(current.ips.iter().map(|&ip| {
                 let (connector, settings) = (&connector, &self.settings);
-                async move { (ip, probe_once(connector, ip, settings).await) }
+                async move { (ip, connector.probe(ip, settings).await) }
             }))
             .await;
             for (ip, result) in results {
@@ -243,7 +281,7 @@ impl GatewayProbe {
         }
     }
 
-    fn connector(&self) -> Result<tokio_rustls::TlsConnector, LinkHealth> {
+    fn connector(&self) -> Result<Prober, LinkHealth> {
         let Some(identity) = &self.identity else {
             return Err(LinkHealth::gateway_unknown(
                 "ProbeDisabled",
@@ -259,6 +297,13 @@ impl GatewayProbe {
                 ),
             )
         })?;
+        if self.settings.port == self.settings.gateway_port {
+            let client = GatewayClient::new(identity.bundle.clone(), identity.cert.clone())
+                .map_err(|e| {
+                    LinkHealth::gateway_down("ProbeConfig", &format!("QUIC socket: {e}"))
+                })?;
+            return Ok(Prober::Tunnel { client, expected });
+        }
         let config = tls::client_config(
             &identity.bundle,
             identity.cert.clone(),
@@ -266,7 +311,9 @@ impl GatewayProbe {
             &[b"http/1.1"],
         )
         .map_err(|e| LinkHealth::gateway_down("ProbeConfig", &e.to_string()))?;
-        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+        Ok(Prober::Https(tokio_rustls::TlsConnector::from(Arc::new(
+            config,
+        ))))
     }
 }
 

@@ -172,7 +172,7 @@ fn spawn_gateway_watch(
     let (gw_tx, gw_rx) = watch::channel(None);
     let probe = GatewayProbe {
         link: key.to_string(),
-        settings: ProbeSettings::from_spec(&link.spec.probe),
+        settings: ProbeSettings::from_spec(&link.spec.probe, link.spec.gateway_port),
         gateway_identity: link.spec.gateway_identity.clone(),
         identity: config.identity.clone(),
         metrics: config.metrics.clone(),

@@ -50,3 +50,24 @@ fn without_an_identity_it_refuses_to_start_and_says_what_to_do() {
         "the error names the missing file and the way out: {stderr}"
     );
 }
+
+/// The shipped CRD is what the code generates: a stale file would make the API
+/// server prune fields the controller reads (it once spelled `stalenessTtl`
+/// while the code reads `stalenessTTL`).
+#[test]
+fn the_shipped_crd_is_the_generated_one() {
+    let out = Command::new(env!("CARGO_BIN_EXE_strait-mirror"))
+        .arg("crd")
+        .output()
+        .expect("run strait-mirror crd");
+    assert!(out.status.success(), "{out:?}");
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/mirror/crd.yaml"
+    ))
+    .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout) == shipped,
+        "deploy/mirror/crd.yaml is stale: regenerate it with `cargo run -p strait-mirror -- crd > deploy/mirror/crd.yaml`"
+    );
+}

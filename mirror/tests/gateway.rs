@@ -162,6 +162,128 @@ async fn the_gateway_probe_marks_mirror_endpoints_not_ready_and_restores_them() 
     controller.abort();
 }
 
+/// A gateway's tunnel side as far as probes see it: QUIC with mTLS as `id`,
+/// answering the probe target OK while `ready`, else refusing it.
+async fn tunnel_gateway(
+    pki: &Pki,
+    id: &str,
+    ready: Arc<std::sync::atomic::AtomicBool>,
+) -> std::net::SocketAddr {
+    use strait_mesh::tunnel::{ResponseStatus, TUNNEL_ALPN, TunnelHeader, TunnelResponse, quic};
+    let cert = pki
+        .signer
+        .new_identity(&id.parse::<SpiffeId>().unwrap(), DAY)
+        .unwrap();
+    let config = tls::server_config(&pki.bundle, cert, &[TUNNEL_ALPN]).unwrap();
+    let endpoint = quic::endpoint(
+        std::net::SocketAddr::new(routable_host_ip(), 0),
+        Some(quic::server_config(config).unwrap()),
+    )
+    .unwrap();
+    let addr = endpoint.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Some(incoming) = endpoint.accept().await {
+            let ready = ready.clone();
+            tokio::spawn(async move {
+                let Ok(connection) = incoming.await else {
+                    return;
+                };
+                while let Ok((mut send, mut recv)) = connection.accept_bi().await {
+                    let ready = ready.clone();
+                    tokio::spawn(async move {
+                        let header =
+                            TunnelHeader::read_from(&mut recv, Duration::from_secs(2)).await;
+                        let is_probe = header.is_ok_and(|h| h == quic::probe_header());
+                        let answer = if is_probe && ready.load(std::sync::atomic::Ordering::SeqCst)
+                        {
+                            TunnelResponse::ok()
+                        } else {
+                            TunnelResponse::refused(
+                                ResponseStatus::TargetUnavailable,
+                                "the gateway has not synced yet",
+                            )
+                        };
+                        let _ = answer.write_to(&mut send).await;
+                        let _ = send.finish();
+                        let _ = send.stopped().await;
+                    });
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The default probe goes through the tunnel itself (the gateway port, QUIC):
+/// what traffic takes, not the admin port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_probe_goes_through_the_tunnel() {
+    strait_mesh::telemetry::init_test_tracing("strait_mirror=debug,strait_mesh=debug,warn");
+    let (east, west) = pair_with_web().await;
+    let ec = east.client();
+    let pki = pki();
+    let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let gateway = tunnel_gateway(&pki, GATEWAY_ID, up.clone()).await;
+    let controller_id: SpiffeId = "spiffe://east.strait/ns/strait-multicluster/sa/strait-mirror"
+        .parse()
+        .unwrap();
+    let metrics = strait_mirror::metrics::MirrorMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let config = strait_mirror::MirrorConfig {
+        metrics,
+        identity: Some(ProbeIdentity {
+            bundle: pki.bundle.clone(),
+            cert: pki.signer.new_identity(&controller_id, DAY).unwrap(),
+        }),
+        ..Default::default()
+    };
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), config));
+    // No probe port: it defaults to the gateway port, so the tunnel is probed.
+    link_with(
+        &ec,
+        "west",
+        Some(&admin_kubeconfig(&west)),
+        json!({"gatewayAddresses": [gateway.ip().to_string()], "gatewayPort": gateway.port(),
+               "gatewayIdentity": GATEWAY_ID,
+               "probe": {"period": "200ms", "timeout": "1s", "failureThreshold": 2}}),
+    )
+    .await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    let want = |name: &'static str, status: &'static str, slice_ready: bool| {
+        let (ec, links) = (ec.clone(), links.clone());
+        async move {
+            eventually(name, WAIT, || async {
+                let s = mirror_slice(&ec, "shop", "web-west").await?;
+                let c = condition(&links, "west", "GatewayAlive").await;
+                match (&c, ready(&s) == vec![slice_ready]) {
+                    (Some((st, msg)), true) if st == status => Ok(msg.clone()),
+                    _ => Err(format!(
+                        "GatewayAlive {c:?}, endpoints ready {:?}",
+                        ready(&s)
+                    )),
+                }
+            })
+            .await
+        }
+    };
+    want("alive through the tunnel", "True", true).await;
+    let text = metrics_text(&registry);
+    assert!(
+        metric(&text, "mirror_gateway_probe_latency_seconds_count{").unwrap_or(0.0) >= 1.0,
+        "{text}"
+    );
+    up.store(false, std::sync::atomic::Ordering::SeqCst);
+    let message = want("the gateway refuses the probe", "False", false).await;
+    assert!(
+        message.contains("not synced"),
+        "the condition says why: {message}"
+    );
+    up.store(true, std::sync::atomic::Ordering::SeqCst);
+    want("back", "True", true).await;
+    controller.abort();
+}
+
 fn addresses(slice: &k8s_openapi::api::discovery::v1::EndpointSlice) -> BTreeSet<String> {
     slice
         .endpoints
