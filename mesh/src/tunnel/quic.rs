@@ -32,10 +32,19 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 pub const STREAM_WINDOW: u32 = 8 * 1024 * 1024;
 /// Per-connection receive window: several streams at full speed.
 pub const CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
-/// A connection with no traffic for this long is closed.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Keep-alives keep NAT bindings and an idle pooled connection alive.
-pub const KEEP_ALIVE: Duration = Duration::from_secs(10);
+/// A connection that has heard nothing from its peer for this long is
+/// closed. It is how a client notices that the path died (WAN cut, UDP
+/// blocked) or the gateway went away (a restarted gateway's stateless resets
+/// do not match the old connection): until then streams on it hang, new and
+/// pooled alike. Measured across the testenv WAN (proxy/tests/cross_cluster.rs),
+/// 30 s meant requests hanging 30 s; 5 s bounds that while leaving the
+/// keep-alives below several chances to get through on a lossy path.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Keep-alives keep NAT bindings and an idle pooled connection alive, and
+/// give a live connection traffic to hear well within [`IDLE_TIMEOUT`]: about
+/// five per timeout (a PING of some 50 bytes a second per node proxy and
+/// gateway pair).
+pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// How long a QUIC handshake may take before the client falls back to TCP.
 pub const QUIC_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// UDP socket buffers asked of the kernel (it may cap them at net.core.*mem_max).
@@ -53,7 +62,7 @@ pub fn transport() -> Arc<quinn::TransportConfig> {
         .max_idle_timeout(Some(
             IDLE_TIMEOUT
                 .try_into()
-                .expect("30 s is a valid idle timeout"),
+                .expect("a few seconds is a valid idle timeout"),
         ));
     Arc::new(t)
 }
@@ -180,7 +189,16 @@ struct GatewayState {
     backoff: Duration,
     /// A background QUIC attempt is running.
     probing: bool,
+    /// A TCP connect just timed out: until then, TCP streams fail at once
+    /// instead of waiting out another connect timeout (a request's retries
+    /// to the same gateway on a black-holed path).
+    tcp_down_until: Option<Instant>,
 }
+
+/// How long a TCP connect timeout to a gateway fails new TCP streams at once.
+/// Just long enough to cover a request's immediate retries; short, so a
+/// restored path is used again within a second.
+const TCP_HOLD_DOWN: Duration = Duration::from_secs(1);
 
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -413,13 +431,30 @@ impl GatewayClient {
         addr: SocketAddr,
         identity: &SpiffeId,
     ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TunnelError> {
-        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-            .await
-            .map_err(|_| TunnelError::Connect {
-                node: addr,
-                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
-            })?
-            .map_err(|source| TunnelError::Connect { node: addr, source })?;
+        let timed_out = || TunnelError::Connect {
+            node: addr,
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
+        };
+        let key = (addr, identity.clone());
+        {
+            let gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(until) = gateways.get(&key).and_then(|s| s.tcp_down_until)
+                && Instant::now() < until
+            {
+                return Err(timed_out());
+            }
+        }
+        let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+            Ok(connected) => {
+                connected.map_err(|source| TunnelError::Connect { node: addr, source })?
+            }
+            Err(_) => {
+                let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+                gateways.entry(key).or_default().tcp_down_until =
+                    Some(Instant::now() + TCP_HOLD_DOWN);
+                return Err(timed_out());
+            }
+        };
         let _ = tcp.set_nodelay(true);
         tokio_rustls::TlsConnector::from(self.tls(identity)?)
             .connect(server_name_for(identity), tcp)

@@ -27,6 +27,8 @@ pub const WAIT: Duration = Duration::from_secs(30);
 pub const TRUST_DOMAIN: &str = "cluster.local";
 
 pub struct Mesh {
+    /// The cluster's name (`--cluster-name` of its proxies and gateway).
+    pub name: String,
     pub topology: ClusterTopology,
     pub issuer: RunningIssuer,
     pub anchor: PemPair,
@@ -107,7 +109,7 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let args = vec![
         format!("--node-name={}", node.name()),
-        "--cluster-name=mesh".to_string(),
+        format!("--cluster-name={}", mesh.name),
         format!("--trust-domain={TRUST_DOMAIN}"),
         format!("--issuer-addr={}", mesh.issuer.addr),
         format!("--issuer-name={}", issuer::ISSUER_DNS),
@@ -214,9 +216,18 @@ pub async fn ensure_sa(client: &Client, ns: &str, sa: &str) {
 /// A cluster of `nodes` network-namespace nodes, the issuer, and a node proxy
 /// (`proxy` binary) ready on every node; no workloads yet.
 pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
-    let topology = ClusterTopology::start("mesh", nodes).await.unwrap();
+    let anchor = ca::new_trust_anchor("strait trust anchor", 2 * DAY).unwrap();
+    start_mesh_named("mesh", nodes, proxy, &anchor).await
+}
+
+/// As [`start_mesh`], for cluster `name` under the trust anchor `anchor`
+/// (which may be shared with other clusters, DESIGN.md "Trust"): the cluster
+/// gets an issuer of its own signed by the anchor.
+pub async fn start_mesh_named(name: &str, nodes: usize, proxy: &Path, anchor: &PemPair) -> Mesh {
+    let topology = ClusterTopology::start(name, nodes).await.unwrap();
     let client = topology.cluster().client();
-    let (anchor, issuer_pair) = ca::new_anchor_and_issuer("mesh", DAY).unwrap();
+    let anchor = anchor.clone();
+    let issuer_pair = ca::new_issuer(&anchor, name, DAY).unwrap();
     let issuer = issuer::start_issuer_on(
         &workspace_binary("strait-identity"),
         topology.cluster(),
@@ -248,6 +259,7 @@ pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
     .await
     .unwrap();
     let mut mesh = Mesh {
+        name: name.to_string(),
         topology,
         issuer,
         anchor,
@@ -401,6 +413,15 @@ pub async fn start_gateway(mesh: &mut Mesh, node: usize, extra: &[&str]) -> (Net
         })
         .await
         .unwrap();
+    let child = spawn_gateway(mesh, &pod, extra).await;
+    (pod, child)
+}
+
+/// Runs the `strait-gateway` process in the gateway pod `pod` (made by
+/// [`start_gateway`]) and waits until it is ready: for starting it again
+/// after a test has stopped it.
+pub async fn spawn_gateway(mesh: &Mesh, pod: &NetPod, extra: &[&str]) -> ChildProcess {
+    let name = pod.name().to_string();
     let cluster = mesh.topology.cluster();
     let client = cluster.client();
     let uid = Api::<Pod>::namespaced(client.clone(), "strait-system")
@@ -432,7 +453,7 @@ pub async fn start_gateway(mesh: &mut Mesh, node: usize, extra: &[&str]) -> (Net
     std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let mut args = vec![
-        "--cluster-name=mesh".to_string(),
+        format!("--cluster-name={}", mesh.name),
         format!("--trust-domain={TRUST_DOMAIN}"),
         format!("--issuer-addr={}", mesh.issuer.addr),
         format!("--issuer-name={}", issuer::ISSUER_DNS),
@@ -465,7 +486,7 @@ pub async fn start_gateway(mesh: &mut Mesh, node: usize, extra: &[&str]) -> (Net
         }
     })
     .await;
-    (pod, child)
+    child
 }
 
 /// A mirror of `service` as the mirror controller writes it: `<service>-<cluster>`
