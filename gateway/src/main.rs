@@ -98,11 +98,18 @@ async fn main() -> anyhow::Result<()> {
         metrics,
     );
     let tls = Arc::new(gateway.server_tls()?);
+    // The fallback offers HTTP/2 multiplexing first; the admin port speaks
+    // HTTP/1.1 over mTLS for HTTPS probes.
+    let tcp_tls = Arc::new(gateway.server_tls_with(&[
+        strait_mesh::tunnel::quic::TUNNEL_H2_ALPN,
+        strait_mesh::tunnel::TUNNEL_ALPN,
+    ])?);
+    let admin_tls = Arc::new(gateway.server_tls_with(&[b"http/1.1"])?);
     let admin = admin::spawn_with_tls(
         args.admin_addr,
         readiness.clone(),
         registry,
-        Some(tls.clone()),
+        Some(admin_tls),
     )
     .await?;
     let endpoint = quic::endpoint(args.listen_addr, Some(quic::server_config((*tls).clone())?))
@@ -116,7 +123,7 @@ async fn main() -> anyhow::Result<()> {
             .clone()
             .serve_quic(endpoint.clone(), stopped.clone()),
     );
-    tokio::spawn(gateway.clone().serve_tcp(tcp, tls, stopped));
+    tokio::spawn(gateway.clone().serve_tcp(tcp, tcp_tls, stopped));
     readiness.set_ready(true);
     tracing::info!(listen = %args.listen_addr, %admin, cluster = %args.cluster_name, "gateway ready (QUIC and TCP + TLS)");
 

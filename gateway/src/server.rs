@@ -17,6 +17,7 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::tls::{self, TrustBundle};
 use strait_mesh::tunnel::client::open_to_pod;
+use strait_mesh::tunnel::quic::TUNNEL_H2_ALPN;
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, ResponseStatus, TUNNEL_ALPN, Target, TunnelHeader, TunnelResponse,
 };
@@ -146,7 +147,13 @@ impl Gateway {
     /// The server side's TLS: TLS 1.3, client certificates under the anchor
     /// required, the tunnel ALPN; follows the gateway's certificate refreshes.
     pub fn server_tls(&self) -> Result<rustls::ServerConfig, tls::TlsError> {
-        tls::server_config(&self.bundle, self.identity.cert(), &[TUNNEL_ALPN])
+        self.server_tls_with(&[TUNNEL_ALPN])
+    }
+
+    /// The same with other ALPNs: the TCP fallback offers HTTP/2 multiplexing
+    /// first (`[TUNNEL_H2_ALPN, TUNNEL_ALPN]`), the admin port `http/1.1`.
+    pub fn server_tls_with(&self, alpn: &[&[u8]]) -> Result<rustls::ServerConfig, tls::TlsError> {
+        tls::server_config(&self.bundle, self.identity.cert(), alpn)
     }
 
     /// Streams open now.
@@ -252,8 +259,54 @@ impl Gateway {
                         transport: "tcp".into(),
                     })
                     .inc();
-                this.stream(tls, peer, "tcp").await;
+                if tls.get_ref().1.alpn_protocol() == Some(TUNNEL_H2_ALPN) {
+                    this.serve_h2(tls, peer).await;
+                } else {
+                    this.stream(tls, peer, "tcp").await;
+                }
             });
+        }
+    }
+
+    /// The TCP fallback multiplexed: every HTTP/2 CONNECT is one tunnel
+    /// stream (the header follows inside it).
+    async fn serve_h2(
+        self: Arc<Self>,
+        tls: tokio_rustls::server::TlsStream<TcpStream>,
+        peer: SpiffeId,
+    ) {
+        use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+        let this = self.clone();
+        let service =
+            hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let (this, peer) = (this.clone(), peer.clone());
+                async move {
+                    let empty = http_body_util::Empty::<bytes::Bytes>::new();
+                    if req.method() != http::Method::CONNECT {
+                        let mut refused = http::Response::new(empty);
+                        *refused.status_mut() = http::StatusCode::METHOD_NOT_ALLOWED;
+                        return Ok::<_, std::convert::Infallible>(refused);
+                    }
+                    tokio::spawn(async move {
+                        match hyper::upgrade::on(req).await {
+                            Ok(upgraded) => this.stream(TokioIo::new(upgraded), peer, "tcp").await,
+                            Err(e) => tracing::debug!("HTTP/2 CONNECT upgrade: {e}"),
+                        }
+                    });
+                    Ok(http::Response::new(empty))
+                }
+            });
+        let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(strait_mesh::tunnel::quic::MAX_STREAMS_PER_CONNECTION)
+            .initial_stream_window_size(strait_mesh::tunnel::quic::STREAM_WINDOW)
+            .initial_connection_window_size(strait_mesh::tunnel::quic::CONNECTION_WINDOW)
+            .keep_alive_interval(strait_mesh::tunnel::quic::KEEP_ALIVE)
+            .keep_alive_timeout(strait_mesh::tunnel::quic::IDLE_TIMEOUT)
+            .serve_connection(TokioIo::new(tls), service)
+            .await;
+        if let Err(e) = served {
+            tracing::debug!("HTTP/2 fallback connection: {e}");
         }
     }
 

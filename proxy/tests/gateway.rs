@@ -78,6 +78,36 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
         0.0,
         "{m}"
     );
+    // The fallback multiplexes: more streams (each CONNECT is one), still
+    // one TCP + TLS connection (HTTP/2 CONNECT inside it).
+    let tcp_before = metric_sum(&m, "gateway_connections_total", &["transport=\"tcp\""]);
+    let client_pod = pod(&mesh, "client");
+    for i in 0..3 {
+        let script = format!(
+            "exec 3<>/dev/tcp/{}/4140; printf 'CONNECT web-west.shop:9000 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\nfallback-{i}\\n' >&3; timeout 2 cat <&3",
+            client_pod.node().ip()
+        );
+        let out = client_pod
+            .command("bash")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(
+            body(&out).contains(&format!("fallback-{i}")),
+            "{}",
+            body(&out)
+        );
+    }
+    let m = gateway_metrics(&gw_pod).await;
+    assert_eq!(
+        metric_sum(&m, "gateway_connections_total", &["transport=\"tcp\""]),
+        tcp_before,
+        "three more streams, no new TCP connection: {m}"
+    );
+    assert!(
+        metric_sum(&m, "gateway_streams_total", &["transport=\"tcp\""]) >= 4.0,
+        "{m}"
+    );
 
     // Unblocked: back to QUIC by itself (a background attempt after the backoff).
     let unblock = [

@@ -5,8 +5,11 @@
 //! One QUIC connection per (node proxy, gateway), one bidirectional stream per
 //! client connection or request; the stream starts with the tunnel header, as
 //! a TCP tunnel does. When QUIC cannot connect (UDP blocked), streams go over
-//! TCP + TLS to the same port instead (one connection per stream); QUIC is
-//! tried again in the background and taken back as soon as it works.
+//! TCP + TLS to the same port instead: one TLS connection per gateway
+//! carrying HTTP/2, one CONNECT stream per tunnel stream (ALPN
+//! [`TUNNEL_H2_ALPN`]; a gateway that only speaks [`TUNNEL_ALPN`] on TCP gets
+//! one connection per stream). QUIC is tried again in the background and taken
+//! back as soon as it works.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -113,6 +116,8 @@ pub fn endpoint(
 pub enum GatewayStream {
     Quic(Join<quinn::RecvStream, quinn::SendStream>),
     Tcp(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    /// A CONNECT stream on the fallback's shared HTTP/2 connection.
+    H2(hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>),
 }
 
 impl GatewayStream {
@@ -120,7 +125,7 @@ impl GatewayStream {
     pub fn transport(&self) -> &'static str {
         match self {
             GatewayStream::Quic(_) => "quic",
-            GatewayStream::Tcp(_) => "tcp",
+            GatewayStream::Tcp(_) | GatewayStream::H2(_) => "tcp",
         }
     }
 }
@@ -134,6 +139,7 @@ impl AsyncRead for GatewayStream {
         match self.get_mut() {
             GatewayStream::Quic(s) => Pin::new(s).poll_read(cx, buf),
             GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            GatewayStream::H2(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -147,18 +153,21 @@ impl AsyncWrite for GatewayStream {
         match self.get_mut() {
             GatewayStream::Quic(s) => Pin::new(s).poll_write(cx, buf),
             GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            GatewayStream::H2(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             GatewayStream::Quic(s) => Pin::new(s).poll_flush(cx),
             GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            GatewayStream::H2(s) => Pin::new(s).poll_flush(cx),
         }
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             GatewayStream::Quic(s) => Pin::new(s).poll_shutdown(cx),
             GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            GatewayStream::H2(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
@@ -179,6 +188,12 @@ pub fn probe_header() -> TunnelHeader {
     )
 }
 
+/// ALPN of the TCP fallback when it multiplexes streams with HTTP/2 CONNECT.
+pub const TUNNEL_H2_ALPN: &[u8] = b"strait-tunnel-h2/1";
+/// The `:authority` of the fallback's CONNECT requests (the tunnel header
+/// names the real target).
+pub const H2_AUTHORITY: &str = "tunnel.strait.internal:4143";
+
 /// What the client knows about one gateway (address and identity).
 #[derive(Default)]
 struct GatewayState {
@@ -193,6 +208,8 @@ struct GatewayState {
     /// instead of waiting out another connect timeout (a request's retries
     /// to the same gateway on a black-holed path).
     tcp_down_until: Option<Instant>,
+    /// The fallback's HTTP/2 connection, when the gateway speaks it.
+    h2: Option<hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>>,
 }
 
 /// How long a TCP connect timeout to a gateway fails new TCP streams at once.
@@ -212,6 +229,7 @@ pub struct GatewayClient {
     cert: Arc<CertSlot>,
     gateways: Mutex<HashMap<(SocketAddr, SpiffeId), GatewayState>>,
     configs: Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
+    tcp_configs: Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
 }
 
 impl GatewayClient {
@@ -223,25 +241,113 @@ impl GatewayClient {
             cert,
             gateways: Mutex::new(HashMap::new()),
             configs: Mutex::new(HashMap::new()),
+            tcp_configs: Mutex::new(HashMap::new()),
         }))
     }
 
     fn tls(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
-        let mut configs = self.configs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(found) = configs.get(identity) {
-            return Ok(found.clone());
-        }
-        let config = Arc::new(
+        Self::cached(&self.configs, identity, || {
             tls::client_config(
                 &self.bundle,
                 self.cert.clone(),
                 vec![identity.clone()],
                 &[TUNNEL_ALPN],
             )
-            .map_err(|e| TunnelError::Config(e.to_string()))?,
-        );
+        })
+    }
+
+    /// The fallback's TLS: HTTP/2 multiplexing preferred, one stream per
+    /// connection accepted.
+    fn tcp_tls(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+        Self::cached(&self.tcp_configs, identity, || {
+            tls::client_config(
+                &self.bundle,
+                self.cert.clone(),
+                vec![identity.clone()],
+                &[TUNNEL_H2_ALPN, TUNNEL_ALPN],
+            )
+        })
+    }
+
+    fn cached(
+        cache: &Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
+        identity: &SpiffeId,
+        make: impl FnOnce() -> Result<rustls::ClientConfig, tls::TlsError>,
+    ) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+        let mut configs = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = configs.get(identity) {
+            return Ok(found.clone());
+        }
+        let config = Arc::new(make().map_err(|e| TunnelError::Config(e.to_string()))?);
         configs.insert(identity.clone(), config.clone());
         Ok(config)
+    }
+
+    /// A fallback stream: a CONNECT on the gateway's shared HTTP/2
+    /// connection (made first if needed), or a connection of its own when the
+    /// gateway does not speak HTTP/2 on TCP.
+    async fn tcp_stream(
+        &self,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Result<GatewayStream, TunnelError> {
+        let key = (addr, identity.clone());
+        let existing = self
+            .gateways
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .and_then(|s| s.h2.clone())
+            .filter(|s| !s.is_closed());
+        let mut sender = match existing {
+            Some(sender) => sender,
+            None => {
+                let tls = self.tcp(addr, identity).await?;
+                if tls.get_ref().1.alpn_protocol() != Some(TUNNEL_H2_ALPN) {
+                    return Ok(GatewayStream::Tcp(Box::new(tls)));
+                }
+                let (sender, connection) =
+                    hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .keep_alive_interval(KEEP_ALIVE)
+                        .keep_alive_timeout(IDLE_TIMEOUT)
+                        .keep_alive_while_idle(true)
+                        .initial_stream_window_size(STREAM_WINDOW)
+                        .initial_connection_window_size(CONNECTION_WINDOW)
+                        .handshake(hyper_util::rt::TokioIo::new(tls))
+                        .await
+                        .map_err(|e| TunnelError::Protocol(format!("HTTP/2 on TCP: {e}"), addr))?;
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(%addr, "gateway HTTP/2 connection: {e}");
+                    }
+                });
+                self.gateways
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(key)
+                    .or_default()
+                    .h2 = Some(sender.clone());
+                sender
+            }
+        };
+        let h2_error =
+            |e: hyper::Error| TunnelError::Protocol(format!("HTTP/2 CONNECT: {e}"), addr);
+        sender.ready().await.map_err(h2_error)?;
+        let request = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(H2_AUTHORITY)
+            .body(http_body_util::Empty::new())
+            .map_err(|e| TunnelError::Protocol(e.to_string(), addr))?;
+        let response = sender.send_request(request).await.map_err(h2_error)?;
+        if response.status() != http::StatusCode::OK {
+            return Err(TunnelError::Protocol(
+                format!("the gateway answered CONNECT with {}", response.status()),
+                addr,
+            ));
+        }
+        let upgraded = hyper::upgrade::on(response).await.map_err(h2_error)?;
+        Ok(GatewayStream::H2(hyper_util::rt::TokioIo::new(upgraded)))
     }
 
     /// Opens a stream to the gateway at `addr` (which must prove `identity`)
@@ -270,8 +376,8 @@ impl GatewayClient {
                 }
             }
         }
-        let tls = self.tcp(addr, identity).await?;
-        handshake(GatewayStream::Tcp(Box::new(tls)), header, addr).await
+        let stream = self.tcp_stream(addr, identity).await?;
+        handshake(stream, header, addr).await
     }
 
     /// Which transport new streams to this gateway use now: `quic` or `tcp`.
@@ -456,7 +562,7 @@ impl GatewayClient {
             }
         };
         let _ = tcp.set_nodelay(true);
-        tokio_rustls::TlsConnector::from(self.tls(identity)?)
+        tokio_rustls::TlsConnector::from(self.tcp_tls(identity)?)
             .connect(server_name_for(identity), tcp)
             .await
             .map_err(|source| TunnelError::Tls {

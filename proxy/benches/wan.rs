@@ -1,0 +1,225 @@
+//! Cross-cluster benchmark (root; testenv nodes and WAN): east's client pod
+//! → east node proxy → west gateway across a shaped WAN (delay each way and
+//! loss) → west node proxy → west pod, with 100 request streams at once,
+//! over QUIC and over the TCP + TLS fallback (HTTP/2-multiplexed), side by
+//! side; and the connection set-up time of each transport (unshaped).
+//!
+//!     bash scripts/bench-wan.sh
+//!
+//! (release binaries; `STRAIT_BENCH_RATE=200`, `STRAIT_BENCH_SECS=10`,
+//! `STRAIT_BENCH_DELAY_MS=25` each way, `STRAIT_BENCH_LOSS=1` percent.) The
+//! WAN is shaped by testenv's NFQUEUE delay (this kernel has no netem): every
+//! packet crosses user space once, for both transports alike.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::ca::{self, LeafSigner};
+use strait_mesh::identity::tls::{self, TrustBundle};
+use strait_mesh::tunnel::quic;
+use strait_testenv::net::root_or_skip;
+use strait_testenv::process::cpu_seconds;
+use strait_testenv::wait::eventually;
+use strait_testenv::wan::Wan;
+use strait_testenv::workspace_binary;
+
+use common::*;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+const URL: &str = "http://web-west.shop.svc.cluster.local/bench";
+
+fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
+    let client = &east.pods["client"].0;
+    let proxy = SocketAddr::new(IpAddr::V4(client.node().ip()), 4140);
+    let out = client
+        .command(workspace_binary("strait-load"))
+        .args([
+            format!("--connect={proxy}"),
+            format!("--uri={URL}"),
+            "--host=web-west.shop.svc.cluster.local".into(),
+            format!("--rate={rate}"),
+            "--connections=100".into(),
+            format!("--duration={secs}s"),
+            "--warmup=3s".into(),
+            "--body=1024".into(),
+        ])
+        .output()
+        .expect("run strait-load in the client pod");
+    assert!(
+        out.status.success(),
+        "strait-load: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("strait-load prints JSON")
+}
+
+async fn gateway_metric(gw: &strait_testenv::NetPod, name: &str, having: &[&str]) -> f64 {
+    let text =
+        strait_testenv::issuer::http_get(SocketAddr::new(IpAddr::V4(gw.ip()), 4191), "/metrics")
+            .await
+            .unwrap_or_default();
+    metric_sum(&text, name, having)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if !root_or_skip("the WAN benchmark") {
+        return;
+    }
+    let (rate, secs): (u32, u64) = (
+        env_or("STRAIT_BENCH_RATE", 200),
+        env_or("STRAIT_BENCH_SECS", 10),
+    );
+    let delay = Duration::from_millis(env_or("STRAIT_BENCH_DELAY_MS", 25));
+    let loss: f64 = env_or("STRAIT_BENCH_LOSS", 1.0);
+    let proxy = workspace_binary("strait-proxy");
+    let anchor = ca::new_trust_anchor("strait trust anchor", Duration::from_secs(86400)).unwrap();
+    let (mut east, mut west) = tokio::join!(
+        start_mesh_named("east", 2, &proxy, &anchor),
+        start_mesh_named("west", 2, &proxy, &anchor)
+    );
+    let west_api = west.topology.cluster().client();
+    backend(&mut west, 0, "web-1", "web", &[]).await;
+    backend(&mut west, 1, "web-2", "web", &[]).await;
+    service(&west_api, "web").await;
+    export(&west_api, "web", true).await;
+    let (gw_pod, gw) = start_gateway(&mut west, 1, &[]).await;
+    let gw_pid = gw.pid().unwrap();
+    west.proxies.push(gw);
+    let wan = Wan::connect(&[east.topology.network(), west.topology.network()]).unwrap();
+    wan.expose_pod(&gw_pod, &[4143]).unwrap();
+    let east_api = east.topology.cluster().client();
+    add_client(&mut east, 0).await;
+    mirror_service(&east_api, "web", "west", IpAddr::V4(gw_pod.ip())).await;
+    eventually("east reaches west", WAIT, || async {
+        answered_by(&curl(&east, &[URL]))
+    })
+    .await;
+
+    // Connection set-up, unshaped, from the host (on the west LAN): a QUIC
+    // handshake vs TCP + TLS, each with mutual TLS as a node proxy.
+    let signer = LeafSigner::load(&west.issuer_pair, &west.anchor.cert_pem).unwrap();
+    let bundle = TrustBundle::from_pem(west.anchor.cert_pem.as_bytes()).unwrap();
+    let me: SpiffeId = "spiffe://cluster.local/ns/strait-system/sa/strait-proxy"
+        .parse()
+        .unwrap();
+    let gateway_id: SpiffeId = "spiffe://cluster.local/ns/strait-system/sa/strait-gateway"
+        .parse()
+        .unwrap();
+    let cert = signer.new_identity(&me, Duration::from_secs(3600)).unwrap();
+    let gw_addr = SocketAddr::new(IpAddr::V4(gw_pod.ip()), 4143);
+    let client_tls = tls::client_config(
+        &bundle,
+        cert.clone(),
+        vec![gateway_id.clone()],
+        &[strait_mesh::tunnel::TUNNEL_ALPN],
+    )
+    .unwrap();
+    let quic_config = quic::client_config(client_tls.clone()).unwrap();
+    let endpoint = quic::endpoint("0.0.0.0:0".parse().unwrap(), None).unwrap();
+    let server_name = "strait-gateway.strait-system.identity.strait.internal";
+    let (mut quic_setup, mut tcp_setup) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let t = Instant::now();
+        let c = endpoint
+            .connect_with(quic_config.clone(), gw_addr, server_name)
+            .unwrap()
+            .await
+            .unwrap();
+        quic_setup.push(t.elapsed());
+        c.close(0u32.into(), b"");
+        let t = Instant::now();
+        let tcp = tokio::net::TcpStream::connect(gw_addr).await.unwrap();
+        let _tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client_tls.clone()))
+            .connect(strait_mesh::tunnel::server_name_for(&gateway_id), tcp)
+            .await
+            .unwrap();
+        tcp_setup.push(t.elapsed());
+    }
+
+    // The shaped WAN: TCP fallback first (UDP blocked before the QUIC
+    // connection is remade), then QUIC.
+    wan.shape(delay, loss).unwrap();
+    wan.block_udp().unwrap();
+    eventually(
+        "the fallback carries the traffic",
+        Duration::from_secs(60),
+        || async {
+            answered_by(&curl(&east, &["--max-time", "10", URL]))?;
+            if gateway_metric(&gw_pod, "gateway_connections_total", &["transport=\"tcp\""]).await
+                >= 1.0
+            {
+                Ok(())
+            } else {
+                Err("not on TCP yet".into())
+            }
+        },
+    )
+    .await;
+    let cpu = cpu_seconds(gw_pid);
+    let tcp = load(&east, rate, secs);
+    let tcp_cpu = cpu_seconds(gw_pid) - cpu;
+    let tcp_conns =
+        gateway_metric(&gw_pod, "gateway_connections_total", &["transport=\"tcp\""]).await;
+    wan.unblock_udp().unwrap();
+    eventually("back on QUIC", Duration::from_secs(60), || async {
+        let before =
+            gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await;
+        answered_by(&curl(&east, &["--max-time", "10", URL]))?;
+        let after = gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await;
+        if after > before {
+            Ok(())
+        } else {
+            Err("not on QUIC yet".into())
+        }
+    })
+    .await;
+    let cpu = cpu_seconds(gw_pid);
+    let quic_run = load(&east, rate, secs);
+    let quic_cpu = cpu_seconds(gw_pid) - cpu;
+    wan.unshape().unwrap();
+
+    println!(
+        "\ncross-cluster, {rate} rps, 100 connections, 1 KiB bodies, WAN {delay:?} each way, {loss}% loss, {secs} s"
+    );
+    println!(
+        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>7} {:>10}",
+        "transport", "p50 ms", "p90 ms", "p99 ms", "max ms", "errors", "gw CPU s"
+    );
+    for (label, r, cpu) in [
+        ("QUIC", &quic_run, quic_cpu),
+        ("TCP+TLS (HTTP/2 mux)", &tcp, tcp_cpu),
+    ] {
+        println!(
+            "{:<22} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>10.2}",
+            label,
+            r["p50_ms"].as_f64().unwrap_or(0.0),
+            r["p90_ms"].as_f64().unwrap_or(0.0),
+            r["p99_ms"].as_f64().unwrap_or(0.0),
+            r["max_ms"].as_f64().unwrap_or(0.0),
+            r["errors"],
+            cpu
+        );
+    }
+    println!("(TCP connections accepted by the gateway during the fallback run: {tcp_conns})");
+    println!(
+        "connection set-up (unshaped, median of 20, mutual TLS): QUIC {:?}, TCP + TLS {:?}",
+        median(quic_setup),
+        median(tcp_setup)
+    );
+}

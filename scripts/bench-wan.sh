@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Cross-cluster benchmark: QUIC vs the TCP + TLS fallback across a shaped WAN (root).
+#   bash scripts/bench-wan.sh    (STRAIT_BENCH_RATE=200 STRAIT_BENCH_SECS=10 STRAIT_BENCH_DELAY_MS=25 STRAIT_BENCH_LOSS=1)
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+bootstrap
+build_control_plane
+cd "$STRAIT_ROOT"
+cargo build --release --bins
+STRAIT_PROXY_LOG="${STRAIT_PROXY_LOG:-warn}" exec cargo bench -p strait-proxy --bench wan
