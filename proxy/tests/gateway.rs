@@ -11,6 +11,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use strait_testenv::issuer::http_get;
+use strait_testenv::process::rss_kib;
 use strait_testenv::wait::eventually;
 
 mod common;
@@ -135,17 +136,7 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     // The probe through the tunnel itself (what the mirror controller's
     // gateway probe is to use): same QUIC path, header, answer; as a mirror
     // controller would, with its own certificate under the anchor.
-    let signer =
-        strait_mesh::identity::ca::LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem)
-            .unwrap();
-    let prober_id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-mirror")
-        .parse()
-        .unwrap();
-    let cert = signer
-        .new_identity(&prober_id, std::time::Duration::from_secs(3600))
-        .unwrap();
-    let bundle =
-        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (cert, bundle) = component_identity(&mesh, "strait-mirror");
     let prober = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();
     let gateway_id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")
         .parse()
@@ -234,15 +225,6 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     mesh.pods.insert("gateway".into(), (gw_pod, None));
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 /// The gateway holds many idle QUIC connections (each a caller's node proxy)
 /// with bounded memory per connection. Counts, not timings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,17 +235,7 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
     let (gw_pod, gw) = start_gateway(&mut mesh, 2, &[]).await;
     let pid = gw.pid().unwrap();
     mesh.proxies.push(gw);
-    let signer =
-        strait_mesh::identity::ca::LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem)
-            .unwrap();
-    let id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-proxy")
-        .parse()
-        .unwrap();
-    let cert = signer
-        .new_identity(&id, std::time::Duration::from_secs(3600))
-        .unwrap();
-    let bundle =
-        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (cert, bundle) = component_identity(&mesh, "strait-proxy");
     let gateway_id: strait_mesh::identity::SpiffeId =
         format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")
             .parse()
@@ -342,13 +314,8 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
         "{per_connection} bytes per idle connection"
     );
     // Still serving: a probe through the tunnel answers.
-    let prober = strait_mesh::tunnel::quic::GatewayClient::new(
-        bundle,
-        signer
-            .new_identity(&id, std::time::Duration::from_secs(3600))
-            .unwrap(),
-    )
-    .unwrap();
+    let (cert, bundle) = component_identity(&mesh, "strait-proxy");
+    let prober = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();
     prober.probe(gw_addr, &gateway_id).await.unwrap();
     drop(held);
     mesh.pods.insert("gateway".into(), (gw_pod, None));

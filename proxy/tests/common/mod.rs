@@ -85,27 +85,8 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
     set_pod_ready(&client, "strait-system", &name, ip, Some(ip), false)
         .await
         .unwrap();
-    let identity_token = token(
-        &client,
-        "strait-system",
-        "strait-proxy",
-        &[TOKEN_AUDIENCE],
-        Some((&name, &uid)),
-    )
-    .await;
-    let api_token = token(&client, "strait-system", "strait-proxy", &[], None).await;
     let dir = mesh.dir.path().join(node.name());
-    std::fs::create_dir_all(&dir).unwrap();
-    let cluster = mesh.topology.cluster();
-    let kc = kubeconfig::with_token(
-        cluster.name(),
-        &cluster.server_url(),
-        cluster.ca_pem(),
-        &api_token,
-    );
-    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
-    std::fs::write(dir.join("token"), identity_token).unwrap();
-    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
+    write_credentials(mesh, &dir, "strait-proxy", &name, &uid).await;
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let args = vec![
         format!("--node-name={}", node.name()),
@@ -132,6 +113,55 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         &dir.join("proxy.log"),
     )
     .unwrap()
+}
+
+/// What a Strait component of `strait-system` running as ServiceAccount `sa`
+/// in pod `pod` (uid `uid`) gets, written to `dir`: `kubeconfig` (an API token
+/// of the ServiceAccount), `token` (the identity token, audience
+/// `strait.dev/identity`, bound to the pod, as a projected token is) and
+/// `ca.crt` (the trust anchor).
+pub async fn write_credentials(mesh: &Mesh, dir: &Path, sa: &str, pod: &str, uid: &str) {
+    let cluster = mesh.topology.cluster();
+    let client = cluster.client();
+    let identity_token = token(
+        &client,
+        "strait-system",
+        sa,
+        &[TOKEN_AUDIENCE],
+        Some((pod, uid)),
+    )
+    .await;
+    let api_token = token(&client, "strait-system", sa, &[], None).await;
+    std::fs::create_dir_all(dir).unwrap();
+    let kc = kubeconfig::with_token(
+        cluster.name(),
+        &cluster.server_url(),
+        cluster.ca_pem(),
+        &api_token,
+    );
+    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
+    std::fs::write(dir.join("token"), identity_token).unwrap();
+    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
+}
+
+/// A certificate for `spiffe://<trust domain>/ns/strait-system/sa/<sa>`
+/// signed by the mesh's issuer (as a component would hold), and the trust
+/// bundle to go with it.
+pub fn component_identity(
+    mesh: &Mesh,
+    sa: &str,
+) -> (
+    std::sync::Arc<strait_mesh::identity::tls::CertSlot>,
+    strait_mesh::identity::tls::TrustBundle,
+) {
+    let signer = ca::LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem).unwrap();
+    let id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/{sa}")
+        .parse()
+        .unwrap();
+    let cert = signer.new_identity(&id, Duration::from_secs(3600)).unwrap();
+    let bundle =
+        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    (cert, bundle)
 }
 
 /// The proxy's transparent-mode enrollment socket on `node`.
@@ -431,26 +461,8 @@ pub async fn spawn_gateway(mesh: &Mesh, pod: &NetPod, extra: &[&str]) -> ChildPr
         .metadata
         .uid
         .unwrap();
-    let identity_token = token(
-        &client,
-        "strait-system",
-        "strait-gateway",
-        &[TOKEN_AUDIENCE],
-        Some((&name, &uid)),
-    )
-    .await;
-    let api_token = token(&client, "strait-system", "strait-gateway", &[], None).await;
     let dir = mesh.dir.path().join(&name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let kc = kubeconfig::with_token(
-        cluster.name(),
-        &cluster.server_url(),
-        cluster.ca_pem(),
-        &api_token,
-    );
-    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
-    std::fs::write(dir.join("token"), identity_token).unwrap();
-    std::fs::write(dir.join("ca.crt"), &mesh.anchor.cert_pem).unwrap();
+    write_credentials(mesh, &dir, "strait-gateway", &name, &uid).await;
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let mut args = vec![
         format!("--cluster-name={}", mesh.name),
