@@ -19,6 +19,7 @@
 
 pub mod cluster;
 pub mod controlplane;
+pub mod demo;
 pub mod dns;
 pub mod issuer;
 pub mod kube_proxy;
@@ -26,6 +27,7 @@ pub mod kubeconfig;
 pub mod net;
 pub mod pki;
 pub mod process;
+pub mod stack;
 pub mod topology;
 pub mod wait;
 pub mod wan;

@@ -48,6 +48,22 @@ enum Command {
     Down,
     /// Build the control-plane binary into the cache now (tests do it on first use).
     Build,
+    /// The two-cluster demo (root): east and west with Strait's components as
+    /// processes on network-namespace nodes, linked with `strait link`, and a
+    /// call from an east pod to a west service through the QUIC gateway, shown
+    /// hop by hop. Exits when done (non-zero if a hop failed), or stays up with --stay.
+    Demo {
+        /// Stay up after the demo until Ctrl-C, for poking at it with kubectl.
+        #[arg(long)]
+        stay: bool,
+        /// Requests for the latency measurement.
+        #[arg(long, default_value_t = 200)]
+        requests: usize,
+        /// Keep the kubeconfig, certificates and logs here (default: a temporary
+        /// folder removed at the end).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+    },
 }
 
 fn default_state_dir() -> PathBuf {
@@ -68,6 +84,20 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Down => down(&cli.state_dir),
+        Command::Demo {
+            stay,
+            requests,
+            work_dir,
+        } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(strait_testenv::demo::run(
+                strait_testenv::demo::DemoOptions {
+                    stay,
+                    requests,
+                    work_dir,
+                },
+            ))
+        }
         Command::Up {
             clusters,
             kubeconfig,

@@ -1,0 +1,147 @@
+//! The README's main command runs in CI: `strait-testenv demo` (what
+//! `scripts/demo.sh` runs) in exit mode, its output checked for the facts it
+//! must show, and nothing of it left behind. Needs root and the workspace's
+//! binaries (`cargo build --bins`; `cargo test --workspace` builds them).
+
+use std::path::Path;
+use std::process::Command;
+
+use strait_testenv::net::root_or_skip;
+
+const REQUESTS: usize = 40;
+
+/// The number after `+` in the first line containing `needle`.
+fn counted(out: &str, needle: &str) -> f64 {
+    let line = out
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("the demo printed no line with {needle:?}:\n{out}"));
+    line.split_once(&format!("{needle} +"))
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no +N count after {needle:?} in: {line}"))
+}
+
+#[test]
+fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
+    if !root_or_skip("the two-cluster demo") {
+        return;
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_strait-testenv"))
+        .args(["demo", "--requests", &REQUESTS.to_string()])
+        .output()
+        .expect("run strait-testenv demo");
+    let out = String::from_utf8_lossy(&output.stdout).to_string();
+    let err = String::from_utf8_lossy(&output.stderr).to_string();
+    assert!(
+        output.status.success(),
+        "the demo failed ({}):\n{out}\n{err}",
+        output.status
+    );
+
+    // The mirror the controller wrote, pointing at the west gateway.
+    let mirror = out
+        .lines()
+        .find(|l| l.contains("Service  east shop/web-west  ClusterIP 10."))
+        .unwrap_or_else(|| panic!("no mirror Service shown:\n{out}"));
+    assert!(mirror.contains("80/TCP"), "{mirror}");
+    assert!(
+        out.contains("strait.dev/remote-svc-fq-name=web.shop.svc.cluster.local"),
+        "{out}"
+    );
+    let gateway = out
+        .lines()
+        .find(|l| l.contains("west  strait-gateway on "))
+        .and_then(|l| l.split(" at ").nth(1))
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or_else(|| panic!("no gateway address shown:\n{out}"))
+        .to_string();
+    assert!(
+        out.contains(&format!(
+            "EndpointSlice web-west: {gateway}:4143 ready=true"
+        )),
+        "the mirror's endpoint is the gateway {gateway}:\n{out}"
+    );
+    assert!(
+        out.contains("Link west: CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
+        "{out}"
+    );
+
+    // Every hop counted the request.
+    for needle in [
+        "request_total{direction=outbound, dst=strait-system/strait-gateway}",
+        "gateway_streams_total{transport=quic, src=shop/client, dst_service=web}",
+        "request_total{direction=inbound, src=shop/client}",
+    ] {
+        assert!(
+            counted(&out, needle) >= 1.0,
+            "{needle} did not move:\n{out}"
+        );
+    }
+    assert!(
+        out.contains(&format!(
+            "QUIC (mTLS) across the WAN  →  west gateway {gateway}:4143"
+        )),
+        "{out}"
+    );
+    let answered = out
+        .lines()
+        .find_map(|l| l.split("the answer names pod \"").nth(1))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no answering pod shown:\n{out}"));
+    assert!(["web-1", "web-2"].contains(&answered), "{answered}");
+    assert!(
+        out.contains(&format!("\"pod\":\"{answered}\"")),
+        "the backend's own answer names {answered}:\n{out}"
+    );
+    // The west pod saw the east caller's SPIFFE ID.
+    assert!(
+        out.contains("caller identity seen by the west pod (strait-client-id): spiffe://cluster.local/ns/shop/sa/client"),
+        "{out}"
+    );
+    assert!(
+        out.contains("\"strait-client-id\":\"spiffe://cluster.local/ns/shop/sa/client\""),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("{REQUESTS} ok, 0 failed")),
+        "latency run:\n{out}"
+    );
+    assert!(out.contains("latency p50 "), "{out}");
+    assert!(out.contains("$ strait check --context east"), "{out}");
+    assert!(out.contains("$ strait gateways --context east"), "{out}");
+    assert!(out.contains("demo passed"), "{out}");
+
+    // Nothing left: the demo's processes, namespace anchors and LAN interfaces.
+    let teardown = out
+        .lines()
+        .find(|l| l.starts_with("[demo] torn down:"))
+        .unwrap_or_else(|| panic!("no tear-down line:\n{out}"));
+    let pids: Vec<u32> = teardown
+        .split("(pids ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    assert!(pids.len() > 10, "too few pids listed: {teardown}");
+    for pid in pids {
+        assert!(
+            !strait_testenv::process::is_alive(pid),
+            "pid {pid} of the demo is still alive"
+        );
+    }
+    let interfaces = teardown
+        .split("interfaces ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_default();
+    for name in interfaces.split(',') {
+        assert!(name.starts_with("stlan"), "{teardown}");
+        assert!(
+            !Path::new("/sys/class/net").join(name).exists(),
+            "{name} is still there"
+        );
+    }
+}
