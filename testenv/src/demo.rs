@@ -100,9 +100,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     }
     let outcome = demo.tear_down();
     if let Err(e) = &result {
+        // Keep the components' logs for whoever looks into the failure.
+        let kept = match work {
+            Workdir::Temp(t) => t.keep(),
+            Workdir::Given(p) => p,
+        };
         eprintln!(
-            "\n[demo] failed; logs were in {} (set --work-dir to keep them)",
-            work.path().display()
+            "\n[demo] failed; the components' logs are kept in {}",
+            kept.display()
         );
         return Err(anyhow::anyhow!("{e:#}"));
     }
@@ -619,7 +624,13 @@ impl Demo {
             }
             if failures.len() >= 20 {
                 bail!(
-                    "east's pod could not reach {url} through its node proxy; last answers: {failures:?}"
+                    "east's pod could not reach {url} through its node proxy in {} attempts; the last said: {}",
+                    failures.len(),
+                    failures
+                        .last()
+                        .map(String::as_str)
+                        .unwrap_or_default()
+                        .trim()
                 );
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
