@@ -606,6 +606,13 @@ impl Demo {
         let caller = east.pod(CALLER_SA).context("the caller pod")?;
         let east_proxy = format!("strait-proxy-{}", caller.node().name());
         let before = Snapshot::take(east, west, &east_proxy).await?;
+        let pcap = self.dir.join("wan.pcap");
+        let capture = self
+            .wan
+            .as_ref()
+            .context("the WAN")?
+            .capture(&pcap)
+            .context("capture the WAN (tcpdump)")?;
         let url = format!("http://{MIRROR}.{NAMESPACE}.svc.cluster.local/hello");
         say(format!(
             "$ curl -x http://{}:4140 {url}     (in pod {NAMESPACE}/{CALLER_SA})",
@@ -649,6 +656,7 @@ impl Demo {
             .with_context(|| format!("the answer names pod {pod_name}, which west does not run"))?;
         let west_proxy = format!("strait-proxy-{}", backend.node().name());
         let after = Snapshot::take(east, west, &east_proxy).await?;
+        let wan = WanEvidence::read(capture.stop()?, &pcap, gateway_ip)?;
         let d = after.minus(&before, &west_proxy);
 
         say("");
@@ -670,6 +678,17 @@ impl Demo {
         say(format!(
             "     evidence: strait-gateway-0 gateway_streams_total{{transport=quic, src=shop/client, dst_service=web}} +{} (QUIC connections accepted so far: {}; tunnel probes answered: {})",
             d.gateway_quic_streams, after.gateway_quic_connections, after.gateway_probes
+        ));
+        say(format!(
+            "     evidence: the WAN's capture holds {} UDP and {} TCP packets to/from {gateway_ip}:4143, and none of {:?} in clear text{}",
+            wan.udp,
+            wan.tcp,
+            WanEvidence::NEEDLES,
+            if wan.plaintext.is_empty() {
+                String::new()
+            } else {
+                format!(" — FOUND {:?}", wan.plaintext)
+            }
         ));
         say(format!(
             "  3. west gateway  →  west node proxy on {} ({}:4143, mTLS, carrying the caller's identity)",
@@ -708,6 +727,12 @@ impl Demo {
         }
         if d.west_inbound < 1.0 {
             broken.push("west node proxy: no inbound request from shop/client counted");
+        }
+        if wan.udp == 0 {
+            broken.push("WAN: no UDP (QUIC) packet to the gateway was captured");
+        }
+        if !wan.plaintext.is_empty() {
+            broken.push("WAN: the request's words crossed the WAN in clear text");
         }
         if client_id != expected {
             broken.push("west pod: strait-client-id is not the east caller's SPIFFE ID");
@@ -996,6 +1021,45 @@ fn describe_mirror(svc: &Service, slice: &EndpointSlice, link: Option<Link>) -> 
         lines.push(format!("Link west: {}", conditions.join(" ")));
     }
     lines
+}
+
+/// What a packet capture of the WAN shows about one request.
+struct WanEvidence {
+    udp: usize,
+    tcp: usize,
+    plaintext: Vec<&'static str>,
+}
+
+impl WanEvidence {
+    /// Words of the request (path, header, the tunnel header's service
+    /// name, SPIFFE IDs of certificates) that mTLS must hide.
+    const NEEDLES: [&'static str; 4] = ["/hello", "strait-client-id", "web.shop.svc", "spiffe://"];
+
+    fn read(bytes: Vec<u8>, pcap: &Path, gateway: Ipv4Addr) -> anyhow::Result<Self> {
+        let count = |proto: &str| -> anyhow::Result<usize> {
+            let out = Command::new("tcpdump")
+                .args(["-n", "-r"])
+                .arg(pcap)
+                .arg(format!("{proto} and host {gateway} and port 4143"))
+                .output()
+                .context("read the WAN capture with tcpdump")?;
+            ensure!(
+                out.status.success(),
+                "tcpdump -r {}: {}",
+                pcap.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+        };
+        Ok(Self {
+            udp: count("udp")?,
+            tcp: count("tcp")?,
+            plaintext: Self::NEEDLES
+                .into_iter()
+                .filter(|n| crate::wan::contains(&bytes, n.as_bytes()))
+                .collect(),
+        })
+    }
 }
 
 /// The counters the demo reads before and after requests.

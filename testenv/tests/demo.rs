@@ -84,6 +84,22 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         )),
         "{out}"
     );
+    // The hop crossed the WAN as QUIC (UDP), and encrypted.
+    let wan = out
+        .lines()
+        .find(|l| l.contains("evidence: the WAN's capture holds "))
+        .unwrap_or_else(|| panic!("no WAN capture shown:\n{out}"));
+    let udp: usize = wan
+        .split("holds ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no UDP count in: {wan}"));
+    assert!(udp > 0, "no QUIC packet crossed the WAN: {wan}");
+    assert!(
+        wan.ends_with("in clear text"),
+        "plaintext on the WAN: {wan}"
+    );
     let answered = out
         .lines()
         .find_map(|l| l.split("the answer names pod \"").nth(1))
