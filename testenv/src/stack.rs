@@ -502,7 +502,7 @@ impl MeshCluster {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "strait-multicluster", "labels": {
                 "app.kubernetes.io/name": "strait-mirror", "app.kubernetes.io/part-of": "strait"}},
-            "spec": {"serviceAccountName": "strait-mirror",
+            "spec": {"serviceAccountName": "strait-mirror", "hostNetwork": true,
                      "containers": [{"name": "mirror", "image": "strait-mirror"}]},
         }))?;
         wait_for_service_account(
@@ -531,7 +531,12 @@ impl MeshCluster {
             admin,
             process,
         });
-        self.wait_ready(name).await
+        self.wait_ready(name).await?;
+        // Running and Ready as its readiness probe would say, at the host's
+        // LAN address (hostNetwork), though bound to no node.
+        let ip = IpAddr::V4(self.topology.network().host_ip());
+        set_pod_ready(&self.client(), "strait-multicluster", name, ip, None, true).await?;
+        Ok(())
     }
 
     /// A pod `namespace/name` on node `node` running as ServiceAccount `sa`

@@ -5,10 +5,13 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use strait_testenv::net::root_or_skip;
 
 const REQUESTS: usize = 40;
+/// About 15 s on a quiet 2-core machine; generous for a loaded CI runner.
+const DEADLINE: Duration = Duration::from_secs(300);
 
 /// The number after `+` in the first line containing `needle`.
 fn counted(out: &str, needle: &str) -> f64 {
@@ -27,16 +30,35 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
     if !root_or_skip("the two-cluster demo") {
         return;
     }
-    let output = Command::new(env!("CARGO_BIN_EXE_strait-testenv"))
+    // Output to files (no pipe to fill), and a deadline: a hung demo fails
+    // the test instead of hanging CI (its children die with it: PDEATHSIG).
+    let dir = tempfile::tempdir().unwrap();
+    let (stdout, stderr) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strait-testenv"))
         .args(["demo", "--requests", &REQUESTS.to_string()])
-        .output()
+        .stdout(std::fs::File::create(&stdout).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
         .expect("run strait-testenv demo");
-    let out = String::from_utf8_lossy(&output.stdout).to_string();
-    let err = String::from_utf8_lossy(&output.stderr).to_string();
+    let deadline = Instant::now() + DEADLINE;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let out = std::fs::read_to_string(&stdout).unwrap_or_default();
+    let err = std::fs::read_to_string(&stderr).unwrap_or_default();
+    let status = status
+        .unwrap_or_else(|| panic!("the demo did not finish within {DEADLINE:?}:\n{out}\n{err}"));
     assert!(
-        output.status.success(),
-        "the demo failed ({}):\n{out}\n{err}",
-        output.status
+        status.success(),
+        "the demo failed ({status}):\n{out}\n{err}"
     );
 
     // The mirror the controller wrote, pointing at the west gateway.
