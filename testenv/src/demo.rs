@@ -93,7 +93,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         ),
     };
     let mut demo = Demo::new(binaries, work.path())?;
-    let result = demo.play(&options).await;
+    // Ctrl-C while it runs: stop, and still tear down in order.
+    let result = tokio::select! {
+        result = demo.play(&options) => result,
+        stop = wait_for_stop_signal() => {
+            stop?;
+            Err(anyhow::anyhow!("interrupted"))
+        }
+    };
     let stay = options.stay && result.is_ok();
     if stay {
         demo.stay().await?;
