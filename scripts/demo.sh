@@ -3,7 +3,7 @@
 # control planes. Stays up until Ctrl-C. (The full cross-cluster demo replaces
 # this as the mirror, gateway and proxy land.)
 source "$(dirname "$0")/lib.sh"
-cd "$STRAIT_ROOT"
+cd "$STRAIT_ROOT" || exit 1
 
 bootstrap
 build_control_plane

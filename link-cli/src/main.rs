@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod identity;
+mod install;
 mod link;
 
 use clap::{Parser, Subcommand};
@@ -33,6 +34,10 @@ enum Command {
     Link(link::LinkArgs),
     /// Remove a Link, its credentials, its mirrors, and (with --target-context) its access on the target.
     Unlink(link::UnlinkArgs),
+    /// Print this cluster's Strait manifests, with its identity, for `| kubectl apply -f -`.
+    Install(install::InstallArgs),
+    /// Print the objects `install` made, for `| kubectl delete -f -`; refuses while Links exist.
+    Uninstall(install::UninstallArgs),
     /// Print the version of this CLI.
     Version,
 }
@@ -52,6 +57,10 @@ fn main() -> std::process::ExitCode {
             .and_then(|rt| rt.block_on(link::link(args)))
             .map(|out| print!("{out}")),
         Command::Unlink(args) => runtime().and_then(|rt| rt.block_on(link::unlink(args))),
+        Command::Install(args) => install::install(args).map(|out| print!("{out}")),
+        Command::Uninstall(args) => runtime()
+            .and_then(|rt| rt.block_on(install::uninstall(args)))
+            .map(|out| print!("{out}")),
         Command::Version => {
             println!("strait {}", env!("CARGO_PKG_VERSION"));
             Ok(())
