@@ -18,7 +18,9 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use strait_mesh::link::{CLUSTER_NAME_LABEL, Link, LinkSpec, MIRRORED_LABEL};
+use strait_mesh::link::{
+    CLUSTER_NAME_LABEL, Link, LinkSpec, MIRRORED_LABEL, TRUST_ANCHORS_CONFIGMAP,
+};
 
 use crate::identity::Format;
 
@@ -77,7 +79,7 @@ pub struct UnlinkArgs {
     pub cluster_name: String,
 }
 
-fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
+pub(crate) fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
     match path {
         Some(p) => {
             Kubeconfig::read_from(p).with_context(|| format!("read kubeconfig {}", p.display()))
@@ -86,7 +88,7 @@ fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
     }
 }
 
-async fn client_for(
+pub(crate) async fn client_for(
     kubeconfig: &Kubeconfig,
     context: &Option<String>,
 ) -> anyhow::Result<(Client, kube::Config)> {
@@ -141,6 +143,8 @@ pub async fn ensure_remote_access(target: &Client, cluster_name: &str) -> anyhow
         "rules": [
             {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            // The trust anchors only (public certificates), so `strait check` can compare them.
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [TRUST_ANCHORS_CONFIGMAP], "verbs": ["get"]},
         ],
     }))
     .await?;

@@ -1,6 +1,9 @@
 //! `strait`: the command people use to link clusters, check them and manage identities.
 #![forbid(unsafe_code)]
 
+mod check;
+mod export;
+mod gateways;
 mod identity;
 mod link;
 
@@ -33,6 +36,14 @@ enum Command {
     Link(link::LinkArgs),
     /// Remove a Link, its credentials, its mirrors, and (with --target-context) its access on the target.
     Unlink(link::UnlinkArgs),
+    /// Check this cluster's Strait and its links: ✓/× lines with hints; non-zero exit on failure.
+    Check(check::CheckArgs),
+    /// Linked clusters' gateways: CLUSTER, ALIVE, NUM_SVC, LATENCY (p50/p99).
+    Gateways(gateways::GatewaysArgs),
+    /// Export a Service to linked clusters: `strait export svc/web -n shop`.
+    Export(export::ExportArgs),
+    /// Stop exporting a Service: `strait unexport svc/web -n shop`.
+    Unexport(export::ExportArgs),
     /// Print the version of this CLI.
     Version,
 }
@@ -52,6 +63,20 @@ fn main() -> std::process::ExitCode {
             .and_then(|rt| rt.block_on(link::link(args)))
             .map(|out| print!("{out}")),
         Command::Unlink(args) => runtime().and_then(|rt| rt.block_on(link::unlink(args))),
+        Command::Check(args) => match runtime().and_then(|rt| rt.block_on(check::check(args))) {
+            Ok(true) => Ok(()),
+            Ok(false) => return std::process::ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+        Command::Gateways(args) => runtime()
+            .and_then(|rt| rt.block_on(gateways::gateways(args)))
+            .map(|out| print!("{out}")),
+        Command::Export(args) => runtime()
+            .and_then(|rt| rt.block_on(export::export(args)))
+            .map(|out| print!("{out}")),
+        Command::Unexport(args) => runtime()
+            .and_then(|rt| rt.block_on(export::unexport(args)))
+            .map(|out| print!("{out}")),
         Command::Version => {
             println!("strait {}", env!("CARGO_PKG_VERSION"));
             Ok(())

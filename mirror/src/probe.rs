@@ -20,11 +20,12 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
-use strait_mesh::link::ProbeSpec;
+use strait_mesh::link::{GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS, ProbeSpec};
 use strait_mesh::tunnel::quic::GatewayClient;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use crate::latency::LatencyWindow;
 use crate::metrics::{LinkLabels, MirrorMetrics};
 use crate::resolve::GatewayAddresses;
 use crate::status::{LinkHealth, StatusReporter};
@@ -214,6 +215,8 @@ impl GatewayProbe {
             }
         };
         let mut states: BTreeMap<IpAddr, AddressState> = BTreeMap::new();
+        let mut latencies = LatencyWindow::default();
+        let mut latency_published: Option<Instant> = None;
         let mut ticker = tokio::time::interval(self.settings.period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -249,6 +252,7 @@ impl GatewayProbe {
                             .probe_latency
                             .get_or_create(&labels)
                             .observe(latency.as_secs_f64());
+                        latencies.record(latency);
                         if state.failures >= self.settings.failure_threshold {
                             tracing::info!(link = %self.link, gateway = %ip, ?latency, "gateway answers the probe again");
                         }
@@ -278,6 +282,15 @@ impl GatewayProbe {
             self.status
                 .set_health(gateway_health(&states, threshold, &current))
                 .await;
+            // The first latency at once, then at most every interval: a status
+            // write per probe would be churn for every watcher of Links.
+            let due = latency_published.is_none_or(|at| {
+                at.elapsed() >= Duration::from_secs(GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS)
+            });
+            if due && let Some(summary) = latencies.summary() {
+                self.status.set_gateway_latency(summary).await;
+                latency_published = Some(Instant::now());
+            }
         }
     }
 
