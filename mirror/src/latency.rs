@@ -24,6 +24,10 @@ impl LatencyWindow {
         self.samples.push_back(latency);
     }
 
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }

@@ -30,6 +30,9 @@ use crate::metrics::{LinkLabels, MirrorMetrics};
 use crate::resolve::GatewayAddresses;
 use crate::status::{LinkHealth, StatusReporter};
 
+/// Latency is published after each of this many first successful probes.
+const EARLY_LATENCY_SAMPLES: usize = 10;
+
 /// The controller's own identity, presented to gateways when probing them.
 #[derive(Clone, Debug)]
 pub struct ProbeIdentity {
@@ -282,11 +285,14 @@ impl GatewayProbe {
             self.status
                 .set_health(gateway_health(&states, threshold, &current))
                 .await;
-            // The first latency at once, then at most every interval: a status
-            // write per probe would be churn for every watcher of Links.
-            let due = latency_published.is_none_or(|at| {
-                at.elapsed() >= Duration::from_secs(GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS)
-            });
+            // Each of the first few probes (the first one includes the
+            // connection's handshake, so one sample alone misleads), then at
+            // most every interval: a status write per probe would be churn
+            // for every watcher of Links.
+            let due = latencies.len() <= EARLY_LATENCY_SAMPLES
+                || latency_published.is_none_or(|at| {
+                    at.elapsed() >= Duration::from_secs(GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS)
+                });
             if due && let Some(summary) = latencies.summary() {
                 self.status.set_gateway_latency(summary).await;
                 latency_published = Some(Instant::now());
