@@ -20,6 +20,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::{
     CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link, LinkSpec, MIRRORED_LABEL,
+    TRUST_ANCHORS_CONFIGMAP,
 };
 
 use crate::identity::Format;
@@ -143,6 +144,8 @@ pub async fn ensure_remote_access(target: &Client, cluster_name: &str) -> anyhow
         "rules": [
             {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            // The trust anchors only (public certificates), so `strait check` can compare them.
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [TRUST_ANCHORS_CONFIGMAP], "verbs": ["get"]},
         ],
     }))
     .await?;
