@@ -7,7 +7,7 @@
 # it up for kubectl until Ctrl-C. Needs root (nodes are network namespaces).
 # `strait-testenv up` still gives bare clusters without the mesh.
 source "$(dirname "$0")/lib.sh"
-cd "$STRAIT_ROOT"
+cd "$STRAIT_ROOT" || exit 1
 
 bootstrap
 [[ $(id -u) -eq 0 ]] || die "the demo needs root: its nodes and pods are network namespaces (run: sudo -E bash scripts/demo.sh)"

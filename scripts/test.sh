@@ -3,7 +3,7 @@
 # This is what CI runs (.ci/run). Cold: the control plane builds first (many
 # minutes on 2 cores, progress shown); warm: a few minutes.
 source "$(dirname "$0")/lib.sh"
-cd "$STRAIT_ROOT"
+cd "$STRAIT_ROOT" || exit 1
 
 bootstrap
 # A one-shot build gains nothing from incremental state, which costs gigabytes.

@@ -18,7 +18,10 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use strait_mesh::link::{CLUSTER_NAME_LABEL, Link, LinkSpec, MIRRORED_LABEL};
+use strait_mesh::link::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link, LinkSpec, MIRRORED_LABEL,
+    TRUST_ANCHORS_CONFIGMAP,
+};
 
 use crate::identity::Format;
 
@@ -77,7 +80,7 @@ pub struct UnlinkArgs {
     pub cluster_name: String,
 }
 
-fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
+pub(crate) fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
     match path {
         Some(p) => {
             Kubeconfig::read_from(p).with_context(|| format!("read kubeconfig {}", p.display()))
@@ -86,7 +89,7 @@ fn load_kubeconfig(path: &Option<PathBuf>) -> anyhow::Result<Kubeconfig> {
     }
 }
 
-async fn client_for(
+pub(crate) async fn client_for(
     kubeconfig: &Kubeconfig,
     context: &Option<String>,
 ) -> anyhow::Result<(Client, kube::Config)> {
@@ -141,6 +144,8 @@ pub async fn ensure_remote_access(target: &Client, cluster_name: &str) -> anyhow
         "rules": [
             {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            // The trust anchors only (public certificates), so `strait check` can compare them.
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [TRUST_ANCHORS_CONFIGMAP], "verbs": ["get"]},
         ],
     }))
     .await?;
@@ -205,14 +210,37 @@ pub fn token_kubeconfig(
     })
 }
 
-/// Gateway defaults from the target's `strait-system/strait-gateway` Service.
-async fn gateway_defaults(target: &Client) -> (Vec<String>, Option<u16>, Option<String>) {
+/// Probe settings a gateway Service may carry (deploy/gateway/service.yaml),
+/// copied into the Link's `spec.probe`: annotation → field.
+const PROBE_ANNOTATIONS: &[(&str, &str)] = &[
+    ("strait.dev/probe-period", "period"),
+    ("strait.dev/probe-timeout", "timeout"),
+    ("strait.dev/probe-path", "path"),
+    ("strait.dev/probe-port", "port"),
+    ("strait.dev/probe-failure-threshold", "failureThreshold"),
+];
+
+/// What the target's `strait-system/strait-gateway` Service says about its gateway.
+#[derive(Default)]
+struct GatewayDefaults {
+    addresses: Vec<String>,
+    port: Option<u16>,
+    identity: Option<String>,
+    probe: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Gateway defaults from the target's `strait-system/strait-gateway` Service:
+/// load-balancer and external addresses, or for a NodePort Service the nodes'
+/// addresses (ExternalIP, else InternalIP) and the node port; the identity and
+/// probe annotations.
+async fn gateway_defaults(target: &Client) -> anyhow::Result<GatewayDefaults> {
     let Ok(Some(svc)) = Api::<Service>::namespaced(target.clone(), "strait-system")
         .get_opt("strait-gateway")
         .await
     else {
-        return (Vec::new(), None, None);
+        return Ok(GatewayDefaults::default());
     };
+    let spec = svc.spec.clone().unwrap_or_default();
     let mut addresses: Vec<String> = svc
         .status
         .as_ref()
@@ -222,28 +250,56 @@ async fn gateway_defaults(target: &Client) -> (Vec<String>, Option<u16>, Option<
         .into_iter()
         .filter_map(|i| i.ip.or(i.hostname))
         .collect();
-    addresses.extend(
-        svc.spec
-            .as_ref()
-            .and_then(|s| s.external_ips.clone())
-            .unwrap_or_default(),
-    );
-    let port = svc
-        .spec
-        .as_ref()
-        .and_then(|s| s.ports.as_ref())
-        .and_then(|ports| {
-            ports
-                .iter()
-                .find(|p| p.protocol.as_deref() != Some("UDP") && p.port == 4143)
-                .or(ports.first())
-        })
-        .and_then(|p| u16::try_from(p.port).ok());
-    let identity = svc
-        .annotations()
-        .get("strait.dev/gateway-identity")
-        .cloned();
-    (addresses, port, identity)
+    addresses.extend(spec.external_ips.clone().unwrap_or_default());
+    let tunnel_port = spec.ports.as_ref().and_then(|ports| {
+        ports
+            .iter()
+            .find(|p| p.protocol.as_deref() != Some("UDP") && p.port == 4143)
+            .or(ports.first())
+    });
+    let node_port = spec.type_.as_deref() == Some("NodePort");
+    let port = if node_port {
+        tunnel_port.and_then(|p| p.node_port)
+    } else {
+        tunnel_port.map(|p| p.port)
+    }
+    .and_then(|p| u16::try_from(p).ok());
+    if node_port && addresses.is_empty() {
+        let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(target.clone())
+            .list(&ListParams::default())
+            .await
+            .context("list the target's nodes (the gateway Service is a NodePort): pass --gateway-addresses instead if you may not")?;
+        for node in nodes.items {
+            let node_addresses = node.status.and_then(|s| s.addresses).unwrap_or_default();
+            let pick = |kind: &str| {
+                node_addresses
+                    .iter()
+                    .find(|a| a.type_ == kind)
+                    .map(|a| a.address.clone())
+            };
+            addresses.extend(pick("ExternalIP").or_else(|| pick("InternalIP")));
+        }
+    }
+    let annotations = svc.annotations();
+    let mut probe = serde_json::Map::new();
+    for (annotation, field) in PROBE_ANNOTATIONS {
+        if let Some(value) = annotations.get(*annotation) {
+            let value = if matches!(*field, "port" | "failureThreshold") {
+                json!(value.parse::<u32>().with_context(|| format!(
+                    "the target's strait-gateway Service has {annotation}: {value:?}, not a number; fix the annotation"
+                ))?)
+            } else {
+                json!(value)
+            };
+            probe.insert(field.to_string(), value);
+        }
+    }
+    Ok(GatewayDefaults {
+        addresses,
+        port,
+        identity: annotations.get(GATEWAY_IDENTITY_ANNOTATION).cloned(),
+        probe,
+    })
 }
 
 pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
@@ -279,9 +335,9 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
     });
     let remote_kubeconfig = token_kubeconfig(&args.cluster_name, &server, ca.as_deref(), &token);
 
-    let (default_addrs, default_port, default_identity) = gateway_defaults(&target).await;
+    let defaults = gateway_defaults(&target).await?;
     let gateway_addresses = if args.gateway_addresses.is_empty() {
-        default_addrs
+        defaults.addresses
     } else {
         args.gateway_addresses.clone()
     };
@@ -293,7 +349,7 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
     let gateway_identity = args
         .gateway_identity
         .clone()
-        .or(default_identity)
+        .or(defaults.identity)
         .unwrap_or_else(|| "spiffe://cluster.local/ns/strait-system/sa/strait-gateway".to_string());
     let secret_name = format!("cluster-credentials-{}", args.cluster_name);
     let spec: LinkSpec = serde_json::from_value(json!({
@@ -301,8 +357,9 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
         "targetClusterDomain": args.cluster_domain,
         "clusterCredentialsSecret": secret_name,
         "gatewayAddresses": gateway_addresses,
-        "gatewayPort": args.gateway_port.or(default_port).unwrap_or(4143),
+        "gatewayPort": args.gateway_port.or(defaults.port).unwrap_or(4143),
         "gatewayIdentity": gateway_identity,
+        "probe": defaults.probe,
     }))?;
     let docs = vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LINK_NAMESPACE}}),

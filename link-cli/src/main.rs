@@ -1,7 +1,11 @@
 //! `strait`: the command people use to link clusters, check them and manage identities.
 #![forbid(unsafe_code)]
 
+mod check;
+mod export;
+mod gateways;
 mod identity;
+mod install;
 mod link;
 
 use clap::{Parser, Subcommand};
@@ -33,6 +37,18 @@ enum Command {
     Link(link::LinkArgs),
     /// Remove a Link, its credentials, its mirrors, and (with --target-context) its access on the target.
     Unlink(link::UnlinkArgs),
+    /// Print this cluster's Strait manifests, with its identity, for `| kubectl apply -f -`.
+    Install(install::InstallArgs),
+    /// Print the objects `install` made, for `| kubectl delete -f -`; refuses while Links exist.
+    Uninstall(install::UninstallArgs),
+    /// Check this cluster's Strait and its links: ✓/× lines with hints; non-zero exit on failure.
+    Check(check::CheckArgs),
+    /// Linked clusters' gateways: CLUSTER, ALIVE, NUM_SVC, LATENCY (p50/p99).
+    Gateways(gateways::GatewaysArgs),
+    /// Export a Service to linked clusters: `strait export svc/web -n shop`.
+    Export(export::ExportArgs),
+    /// Stop exporting a Service: `strait unexport svc/web -n shop`.
+    Unexport(export::ExportArgs),
     /// Print the version of this CLI.
     Version,
 }
@@ -52,6 +68,24 @@ fn main() -> std::process::ExitCode {
             .and_then(|rt| rt.block_on(link::link(args)))
             .map(|out| print!("{out}")),
         Command::Unlink(args) => runtime().and_then(|rt| rt.block_on(link::unlink(args))),
+        Command::Install(args) => install::install(args).map(|out| print!("{out}")),
+        Command::Uninstall(args) => runtime()
+            .and_then(|rt| rt.block_on(install::uninstall(args)))
+            .map(|out| print!("{out}")),
+        Command::Check(args) => match runtime().and_then(|rt| rt.block_on(check::check(args))) {
+            Ok(true) => Ok(()),
+            Ok(false) => return std::process::ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+        Command::Gateways(args) => runtime()
+            .and_then(|rt| rt.block_on(gateways::gateways(args)))
+            .map(|out| print!("{out}")),
+        Command::Export(args) => runtime()
+            .and_then(|rt| rt.block_on(export::export(args)))
+            .map(|out| print!("{out}")),
+        Command::Unexport(args) => runtime()
+            .and_then(|rt| rt.block_on(export::unexport(args)))
+            .map(|out| print!("{out}")),
         Command::Version => {
             println!("strait {}", env!("CARGO_PKG_VERSION"));
             Ok(())

@@ -136,7 +136,31 @@ pub struct LinkStatus {
     pub services: Vec<ServiceMirrorStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Latency of the gateway's recent successful probes (the real data path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_latency: Option<GatewayLatency>,
 }
+
+/// Percentiles over a window of the most recent successful gateway probes,
+/// across the Link's gateway addresses. Refreshed at most every
+/// [`GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS`], so a steady link writes little.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayLatency {
+    /// Median probe latency, milliseconds.
+    pub p50_ms: f64,
+    /// 99th percentile probe latency, milliseconds.
+    pub p99_ms: f64,
+    /// How many probes the percentiles are taken over.
+    pub samples: u32,
+}
+
+/// How often, at most, a Link's `status.gatewayLatency` is rewritten.
+pub const GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS: u64 = 30;
+/// Name of the Lease the mirror controller renews in its namespace while it runs.
+pub const MIRROR_HEARTBEAT_LEASE: &str = "strait-mirror";
+/// The ConfigMap (key `ca.crt`) with a cluster's trust anchors, in `strait-system`.
+pub const TRUST_ANCHORS_CONFIGMAP: &str = "strait-trust-anchors";
 
 /// Why one remote Service is (not) mirrored.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq, PartialOrd, Ord)]

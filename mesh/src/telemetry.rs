@@ -31,7 +31,12 @@ impl std::str::FromStr for LogFormat {
 pub fn init_tracing(format: LogFormat, default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only on a terminal: logs collected by a kubelet or written to a
+    // file stay plain text.
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     // A second call (tests that start several components in one process) is harmless.
     let _ = match format {
         LogFormat::Plain => builder.try_init(),

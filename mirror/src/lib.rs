@@ -6,6 +6,8 @@
 //! worker ([`worker`]) watches its remote cluster and writes mirrors here.
 #![forbid(unsafe_code)]
 
+pub mod heartbeat;
+pub mod latency;
 pub mod metrics;
 pub mod mirror;
 pub mod probe;
@@ -139,7 +141,8 @@ fn watch_local_services(client: Client) -> (LocalServices, tokio::task::JoinHand
 /// Runs the controller until the future is dropped.
 pub async fn run(client: Client, config: MirrorConfig) {
     let (local_services, watch_task) = watch_local_services(client.clone());
-    let _watch_task = worker::AbortOnDrop(vec![watch_task]);
+    let heartbeat = tokio::spawn(heartbeat::run(client.clone(), config.namespace.clone()));
+    let _watch_task = worker::AbortOnDrop(vec![watch_task, heartbeat]);
     let ctx = Arc::new(Context::new(client.clone(), config, local_services));
     let links: Api<Link> = Api::namespaced(client.clone(), &ctx.config.namespace);
     let controller = Controller::new(links, watcher::Config::default());

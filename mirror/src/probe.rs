@@ -20,14 +20,18 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
-use strait_mesh::link::ProbeSpec;
+use strait_mesh::link::{GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS, ProbeSpec};
 use strait_mesh::tunnel::quic::GatewayClient;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use crate::latency::LatencyWindow;
 use crate::metrics::{LinkLabels, MirrorMetrics};
 use crate::resolve::GatewayAddresses;
 use crate::status::{LinkHealth, StatusReporter};
+
+/// Latency is published after each of this many first successful probes.
+const EARLY_LATENCY_SAMPLES: usize = 10;
 
 /// The controller's own identity, presented to gateways when probing them.
 #[derive(Clone, Debug)]
@@ -214,6 +218,8 @@ impl GatewayProbe {
             }
         };
         let mut states: BTreeMap<IpAddr, AddressState> = BTreeMap::new();
+        let mut latencies = LatencyWindow::default();
+        let mut latency_published: Option<Instant> = None;
         let mut ticker = tokio::time::interval(self.settings.period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -249,6 +255,7 @@ impl GatewayProbe {
                             .probe_latency
                             .get_or_create(&labels)
                             .observe(latency.as_secs_f64());
+                        latencies.record(latency);
                         if state.failures >= self.settings.failure_threshold {
                             tracing::info!(link = %self.link, gateway = %ip, ?latency, "gateway answers the probe again");
                         }
@@ -278,6 +285,18 @@ impl GatewayProbe {
             self.status
                 .set_health(gateway_health(&states, threshold, &current))
                 .await;
+            // Each of the first few probes (the first one includes the
+            // connection's handshake, so one sample alone misleads), then at
+            // most every interval: a status write per probe would be churn
+            // for every watcher of Links.
+            let due = latencies.len() <= EARLY_LATENCY_SAMPLES
+                || latency_published.is_none_or(|at| {
+                    at.elapsed() >= Duration::from_secs(GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS)
+                });
+            if due && let Some(summary) = latencies.summary() {
+                self.status.set_gateway_latency(summary).await;
+                latency_published = Some(Instant::now());
+            }
         }
     }
 

@@ -8,7 +8,7 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Api, Resource};
 use serde_json::json;
-use strait_mesh::link::{Link, LinkStatus, ServiceMirrorStatus};
+use strait_mesh::link::{GatewayLatency, Link, LinkStatus, ServiceMirrorStatus};
 use tokio::sync::Mutex;
 
 use crate::metrics::{ErrorLabels, LinkLabels, MirrorMetrics};
@@ -88,6 +88,7 @@ impl LinkHealth {
 struct State {
     conditions: Vec<Condition>,
     services: Vec<ServiceMirrorStatus>,
+    gateway_latency: Option<GatewayLatency>,
     last_written: Option<LinkStatus>,
 }
 
@@ -113,6 +114,7 @@ impl StatusReporter {
             .as_ref()
             .map(|s| s.conditions.clone())
             .unwrap_or_default();
+        let gateway_latency = link.status.as_ref().and_then(|s| s.gateway_latency.clone());
         Self {
             metrics,
             api,
@@ -121,6 +123,7 @@ impl StatusReporter {
             state: Arc::new(Mutex::new(State {
                 conditions,
                 services: Vec::new(),
+                gateway_latency,
                 last_written: None,
             })),
         }
@@ -198,6 +201,12 @@ impl StatusReporter {
         }
     }
 
+    /// Publishes the gateway's recent probe latency (the caller limits how often).
+    pub async fn set_gateway_latency(&self, latency: GatewayLatency) {
+        self.state.lock().await.gateway_latency = Some(latency);
+        self.flush().await;
+    }
+
     pub async fn set_services(&self, mut services: Vec<ServiceMirrorStatus>) {
         services.sort();
         let labels = self.labels();
@@ -264,6 +273,7 @@ impl StatusReporter {
                 .cloned()
                 .collect(),
             observed_generation: self.link.metadata.generation,
+            gateway_latency: state.gateway_latency.clone(),
         };
         if state.last_written.as_ref() == Some(&status) {
             return;

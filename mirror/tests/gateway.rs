@@ -268,6 +268,19 @@ async fn the_default_probe_goes_through_the_tunnel() {
         }
     };
     want("alive through the tunnel", "True", true).await;
+    // The probe latency reaches the Link's status (for `strait gateways`).
+    let latency = eventually("probe latency in the Link status", WAIT, || async {
+        let l = links.get("west").await.map_err(|e| e.to_string())?;
+        l.status
+            .and_then(|s| s.gateway_latency)
+            .filter(|l| l.samples >= 2)
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .await;
+    assert!(
+        latency.p50_ms > 0.0 && latency.p99_ms >= latency.p50_ms,
+        "{latency:?}"
+    );
     let text = metrics_text(&registry);
     assert!(
         metric(&text, "mirror_gateway_probe_latency_seconds_count{").unwrap_or(0.0) >= 1.0,

@@ -71,6 +71,44 @@ async fn gateway_metric(gw: &strait_testenv::NetPod, name: &str, having: &[&str]
     metric_sum(&text, name, having)
 }
 
+/// The most frequent warnings and errors in the logs under `dir` (timestamps
+/// cut), so the table's errors come with their causes.
+fn log_problems(dir: &std::path::Path) -> Vec<(usize, String)> {
+    let mut counts: std::collections::HashMap<String, usize> = Default::default();
+    for entry in walk(dir) {
+        if entry.extension().is_none_or(|e| e != "log") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&entry) else {
+            continue;
+        };
+        let file = entry.file_name().unwrap().to_string_lossy().into_owned();
+        for line in text.lines() {
+            if let Some(at) = line.find(" WARN ").or_else(|| line.find(" ERROR ")) {
+                let msg: String = line[at..].chars().take(220).collect();
+                *counts.entry(format!("{file}:{msg}")).or_default() += 1;
+            }
+        }
+    }
+    let mut v: Vec<_> = counts.into_iter().map(|(m, n)| (n, m)).collect();
+    v.sort_by(|a, b| b.cmp(a));
+    v.truncate(12);
+    v
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -216,7 +254,31 @@ async fn main() {
             cpu
         );
     }
+    println!(
+        "errors by kind: QUIC {}, TCP {}",
+        quic_run["error_kinds"], tcp["error_kinds"]
+    );
     println!("(TCP connections accepted by the gateway during the fallback run: {tcp_conns})");
+    for (side, mesh) in [("east", &east), ("west", &west)] {
+        // `STRAIT_BENCH_LOGS=DIR` keeps every component's log for a closer look.
+        if let Ok(keep) = std::env::var("STRAIT_BENCH_LOGS") {
+            for log in walk(mesh.dir.path()) {
+                if log.extension().is_some_and(|e| e == "log") {
+                    let name = log
+                        .strip_prefix(mesh.dir.path())
+                        .unwrap()
+                        .to_string_lossy()
+                        .replace('/', "_");
+                    let dest = std::path::Path::new(&keep).join(format!("{side}_{name}"));
+                    let _ = std::fs::create_dir_all(&keep);
+                    let _ = std::fs::copy(&log, dest);
+                }
+            }
+        }
+        for (n, msg) in log_problems(mesh.dir.path()) {
+            println!("{side} log x{n}: {msg}");
+        }
+    }
     println!(
         "connection set-up (unshaped, median of 20, mutual TLS): QUIC {:?}, TCP + TLS {:?}",
         median(quic_setup),

@@ -5,6 +5,7 @@
 //! Runs inside a pod's network namespace in the benchmarks.
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -49,6 +50,15 @@ struct Args {
 struct Outcome {
     latencies_us: Vec<u64>,
     errors: u64,
+    /// Errors by kind: `connect`, `send`, `body`, or `status NNN`.
+    error_kinds: BTreeMap<String, u64>,
+}
+
+impl Outcome {
+    fn error(&mut self, kind: impl Into<String>) {
+        self.errors += 1;
+        *self.error_kinds.entry(kind.into()).or_default() += 1;
+    }
 }
 
 async fn connection(args: &Args, index: u32, start: Instant, measure_from: Instant) -> Outcome {
@@ -83,7 +93,7 @@ async fn connection(args: &Args, index: u32, start: Instant, measure_from: Insta
             };
         }
         let Some(s) = sender.as_mut() else {
-            out.errors += 1;
+            out.error("connect");
             continue;
         };
         let mut request = http::Request::builder()
@@ -97,15 +107,32 @@ async fn connection(args: &Args, index: u32, start: Instant, measure_from: Insta
         let request = request
             .body(Full::new(body.clone()))
             .expect("valid request parts");
-        let ok = match s.send_request(request).await {
+        let failure = match s.send_request(request).await {
             Ok(response) => {
-                let good = response.status().is_success();
-                good && response.into_body().collect().await.is_ok()
+                let status = response.status();
+                if response
+                    .headers()
+                    .get(http::header::CONNECTION)
+                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"))
+                {
+                    // The server ends the connection after this response: the
+                    // next request opens a new one (counted, not an error).
+                    *out.error_kinds
+                        .entry("(connection: close answers)".into())
+                        .or_default() += 1;
+                }
+                match response.into_body().collect().await {
+                    Ok(_) if status.is_success() => None,
+                    Ok(_) => Some(format!("status {}", status.as_u16())),
+                    Err(_) => Some("body".to_string()),
+                }
             }
-            Err(_) => false,
+            Err(e) if e.is_canceled() => Some("send (connection closed)".to_string()),
+            Err(e) if e.is_incomplete_message() => Some("send (incomplete answer)".to_string()),
+            Err(e) => Some(format!("send ({e})")),
         };
-        if !ok {
-            out.errors += 1;
+        if let Some(kind) = failure {
+            out.error(kind);
             sender = None;
         }
         if intended >= measure_from {
@@ -136,6 +163,9 @@ async fn main() -> anyhow::Result<()> {
         let o = t.await?;
         all.latencies_us.extend(o.latencies_us);
         all.errors += o.errors;
+        for (kind, n) in o.error_kinds {
+            *all.error_kinds.entry(kind).or_default() += n;
+        }
     }
     all.latencies_us.sort_unstable();
     let pct = |p: f64| -> f64 {
@@ -148,6 +178,7 @@ async fn main() -> anyhow::Result<()> {
     let report = serde_json::json!({
         "requests": all.latencies_us.len(),
         "errors": all.errors,
+        "error_kinds": all.error_kinds,
         "rate": args.rate,
         "achieved_rps": all.latencies_us.len() as f64 / args.duration.as_secs_f64(),
         "p50_ms": pct(0.50),

@@ -1,0 +1,523 @@
+//! `strait install` and `strait uninstall`.
+//!
+//! `install` renders the manifests of deploy/ (embedded at build time, so the
+//! files stay the one source of truth) with this cluster's name, its trust
+//! anchor bundle (ConfigMap `strait-trust-anchors`) and its issuer (Secret
+//! `strait-identity-issuer`), for `| kubectl apply -f -`. `uninstall` refuses
+//! while Links exist, else prints the objects for `| kubectl delete -f -`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use base64::Engine as _;
+use clap::ValueEnum;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use kube::api::ListParams;
+use kube::{Api, ResourceExt};
+use rustls::pki_types::UnixTime;
+use serde_json::{Value, json};
+use strait_mesh::identity::certs;
+use strait_mesh::link::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link};
+
+use crate::identity::Format;
+use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};
+
+/// Every manifest `install` renders, in deploy/ order. A test checks that
+/// every object under deploy/ (except patches) is among them.
+const MANIFESTS: &[(&str, &str)] = &[
+    (
+        "namespace.yaml",
+        include_str!("../../deploy/namespace.yaml"),
+    ),
+    (
+        "mirror/crd.yaml",
+        include_str!("../../deploy/mirror/crd.yaml"),
+    ),
+    (
+        "identity/rbac.yaml",
+        include_str!("../../deploy/identity/rbac.yaml"),
+    ),
+    (
+        "identity/issuer.yaml",
+        include_str!("../../deploy/identity/issuer.yaml"),
+    ),
+    (
+        "mirror/rbac.yaml",
+        include_str!("../../deploy/mirror/rbac.yaml"),
+    ),
+    (
+        "mirror/controller.yaml",
+        include_str!("../../deploy/mirror/controller.yaml"),
+    ),
+    (
+        "gateway/rbac.yaml",
+        include_str!("../../deploy/gateway/rbac.yaml"),
+    ),
+    (
+        "gateway/deployment.yaml",
+        include_str!("../../deploy/gateway/deployment.yaml"),
+    ),
+    (
+        "gateway/service.yaml",
+        include_str!("../../deploy/gateway/service.yaml"),
+    ),
+    (
+        "proxy/rbac.yaml",
+        include_str!("../../deploy/proxy/rbac.yaml"),
+    ),
+    (
+        "proxy/daemonset.yaml",
+        include_str!("../../deploy/proxy/daemonset.yaml"),
+    ),
+    (
+        "proxy/service.yaml",
+        include_str!("../../deploy/proxy/service.yaml"),
+    ),
+];
+
+const SYSTEM_NAMESPACE: &str = "strait-system";
+pub const TRUST_ANCHORS_CONFIGMAP: &str = "strait-trust-anchors";
+pub const ISSUER_SECRET: &str = "strait-identity-issuer";
+const ISSUER_CN_PREFIX: &str = "strait issuer ";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ServiceType {
+    #[value(name = "LoadBalancer")]
+    LoadBalancer,
+    #[value(name = "NodePort")]
+    NodePort,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PullPolicy {
+    #[value(name = "Always")]
+    Always,
+    #[value(name = "IfNotPresent")]
+    IfNotPresent,
+    #[value(name = "Never")]
+    Never,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct InstallArgs {
+    /// This cluster's name (gateway and proxy metrics, messages). Default: the cluster the
+    /// issuer was made for (`strait identity issuer --cluster NAME`); if given, it must match.
+    #[arg(long)]
+    pub cluster_name: Option<String>,
+    /// Folder written by `strait identity issuer --out-dir DIR`: issuer.crt, issuer.key, ca.crt.
+    #[arg(long)]
+    pub identity_dir: Option<PathBuf>,
+    /// The issuer certificate (PEM); default: DIR/issuer.crt.
+    #[arg(long)]
+    pub issuer_cert: Option<PathBuf>,
+    /// The issuer key (PEM); default: DIR/issuer.key.
+    #[arg(long)]
+    pub issuer_key: Option<PathBuf>,
+    /// The trust-anchor bundle (PEM, one or more roots); default: DIR/ca.crt.
+    #[arg(long)]
+    pub trust_anchors: Option<PathBuf>,
+    /// Trust domain of workload identities (spiffe://<trust-domain>/ns/…/sa/…).
+    #[arg(long, default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// The cluster's DNS domain.
+    #[arg(long, default_value = "cluster.local")]
+    pub cluster_domain: String,
+    /// How other clusters reach the gateway.
+    #[arg(long, value_enum, default_value = "LoadBalancer")]
+    pub gateway_service_type: ServiceType,
+    /// With NodePort: the node port of the gateway (the same for QUIC/UDP and TCP).
+    #[arg(long, default_value_t = 30143, value_parser = clap::value_parser!(u16).range(30000..=32767))]
+    pub gateway_node_port: u16,
+    /// Image registry (images are <registry>/strait-<component>:<tag>).
+    #[arg(long, default_value = "ghcr.io/strait-dev")]
+    pub registry: String,
+    /// Image tag.
+    #[arg(long, default_value = "latest")]
+    pub tag: String,
+    /// Image pull policy (Kubernetes' default: Always for :latest, else IfNotPresent).
+    #[arg(long, value_enum)]
+    pub image_pull_policy: Option<PullPolicy>,
+    #[arg(short, long, value_enum, default_value = "yaml")]
+    pub output: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UninstallArgs {
+    /// Kubeconfig file (default: $KUBECONFIG or ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Context of the cluster to uninstall from.
+    #[arg(long)]
+    pub context: Option<String>,
+    #[arg(short, long, value_enum, default_value = "yaml")]
+    pub output: Format,
+}
+
+/// The cluster's identity, checked.
+struct ClusterIdentity {
+    cluster: String,
+    issuer_cert: String,
+    issuer_key: String,
+    bundle: String,
+}
+
+fn read(path: &Path, what: &str, flag: &str) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "read the {what} from {} (set it with {flag}, or --identity-dir with the folder `strait identity issuer --out-dir` wrote)",
+            path.display()
+        )
+    })
+}
+
+/// A DNS-1123 label: the cluster name ends up in object names (`<svc>-<cluster>`).
+fn check_cluster_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if !ok {
+        bail!(
+            "cluster name {name:?} is not a DNS label (lower-case letters, digits and '-', at most 63, not starting or ending with '-'); mirrors are named <service>-<cluster>"
+        );
+    }
+    Ok(())
+}
+
+fn load_identity(args: &InstallArgs) -> anyhow::Result<ClusterIdentity> {
+    let pick = |explicit: &Option<PathBuf>, file: &str, flag: &str| -> anyhow::Result<PathBuf> {
+        match (explicit, &args.identity_dir) {
+            (Some(p), _) => Ok(p.clone()),
+            (None, Some(dir)) => Ok(dir.join(file)),
+            (None, None) => bail!(
+                "no cluster identity given: pass --identity-dir DIR (made by `strait identity issuer --anchor-cert ca.crt --anchor-key ca.key --cluster NAME --out-dir DIR`), or {flag} with the other issuer flags"
+            ),
+        }
+    };
+    let cert_path = pick(&args.issuer_cert, "issuer.crt", "--issuer-cert")?;
+    let key_path = pick(&args.issuer_key, "issuer.key", "--issuer-key")?;
+    let bundle_path = pick(&args.trust_anchors, "ca.crt", "--trust-anchors")?;
+    let issuer_cert = read(&cert_path, "issuer certificate", "--issuer-cert")?;
+    let issuer_key = read(&key_path, "issuer key", "--issuer-key")?;
+    let bundle = read(&bundle_path, "trust-anchor bundle", "--trust-anchors")?;
+
+    let what = format!("issuer certificate {}", cert_path.display());
+    let issuer_der = certs::parse_certs(&what, issuer_cert.as_bytes())?
+        .into_iter()
+        .next()
+        .context("no certificate")?;
+    let anchors = certs::parse_certs(
+        &format!("trust-anchor bundle {}", bundle_path.display()),
+        bundle.as_bytes(),
+    )?;
+    certs::validate_issuer(&what, &issuer_der, &issuer_key, &anchors, UnixTime::now())
+        .with_context(|| {
+            format!(
+                "refusing to install with issuer {} and key {} under the trust anchors {}",
+                cert_path.display(),
+                key_path.display(),
+                bundle_path.display()
+            )
+        })?;
+
+    let info = certs::inspect(&what, &issuer_der)?;
+    let issuer_cluster = common_name(&info.subject)
+        .and_then(|cn| cn.strip_prefix(ISSUER_CN_PREFIX))
+        .map(str::to_string);
+    let cluster = match (&args.cluster_name, issuer_cluster) {
+        (Some(given), Some(made_for)) if *given != made_for => bail!(
+            "the issuer {} was made for cluster {made_for:?}, not {given:?}: install with --cluster-name {made_for}, or make an issuer for {given} with `strait identity issuer --cluster {given}`",
+            cert_path.display()
+        ),
+        (Some(given), _) => given.clone(),
+        (None, Some(made_for)) => made_for,
+        (None, None) => bail!(
+            "cannot tell which cluster the issuer {} belongs to (subject {:?} was not made by `strait identity issuer`): pass --cluster-name",
+            cert_path.display(),
+            info.subject
+        ),
+    };
+    check_cluster_name(&cluster)?;
+    let left = info.not_after_unix - UnixTime::now().as_secs() as i64;
+    if left < 30 * 24 * 3600 {
+        eprintln!(
+            "warning: the issuer {} expires in {} days ({}); make a new one soon with `strait identity issuer`",
+            cert_path.display(),
+            left / 86_400,
+            info.not_after
+        );
+    }
+    Ok(ClusterIdentity {
+        cluster,
+        issuer_cert,
+        issuer_key,
+        bundle,
+    })
+}
+
+/// `CN=…` out of an X.509 subject string (`CN=strait issuer east, O=Strait`).
+fn common_name(subject: &str) -> Option<&str> {
+    subject
+        .split(", ")
+        .find_map(|part| part.trim().strip_prefix("CN="))
+}
+
+/// All objects of the embedded manifests, each once (the rbac files repeat
+/// their Namespace so a folder can be applied alone), in install order.
+fn manifest_objects() -> anyhow::Result<Vec<Value>> {
+    use serde::Deserialize as _;
+    let mut objects: Vec<Value> = Vec::new();
+    for (path, text) in MANIFESTS {
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let value = Value::deserialize(doc)
+                .with_context(|| format!("deploy/{path} is not valid YAML"))?;
+            if value.is_null() {
+                continue;
+            }
+            if value.get("kind").is_none() {
+                bail!("deploy/{path}: a document without kind");
+            }
+            if !objects.iter().any(|o| key(o) == key(&value)) {
+                objects.push(value);
+            }
+        }
+    }
+    objects.sort_by_key(|o| kind_rank(o["kind"].as_str().unwrap_or("")));
+    Ok(objects)
+}
+
+fn key(o: &Value) -> (String, String, String) {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+    (
+        s(&o["kind"]),
+        s(&o["metadata"]["namespace"]),
+        s(&o["metadata"]["name"]),
+    )
+}
+
+/// Helm's order: what others refer to first.
+fn kind_rank(kind: &str) -> usize {
+    const ORDER: &[&str] = &[
+        "Namespace",
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "Secret",
+        "ConfigMap",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "DaemonSet",
+        "Deployment",
+    ];
+    ORDER.iter().position(|k| *k == kind).unwrap_or(ORDER.len())
+}
+
+/// Sets `--flag=value` wherever a container already passes `--flag=…`.
+fn set_arg(container: &mut Value, flag: &str, value: &str) {
+    if let Some(args) = container.get_mut("args").and_then(Value::as_array_mut) {
+        let prefix = format!("{flag}=");
+        for arg in args.iter_mut() {
+            if arg.as_str().is_some_and(|a| a.starts_with(&prefix)) {
+                *arg = json!(format!("{prefix}{value}"));
+            }
+        }
+    }
+}
+
+fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>> {
+    let mut objects = manifest_objects()?;
+    let labels = json!({"app.kubernetes.io/part-of": "strait", CLUSTER_NAME_LABEL: id.cluster});
+    for o in objects.iter_mut() {
+        let kind = o["kind"].as_str().unwrap_or("").to_string();
+        if kind == "Deployment" || kind == "DaemonSet" {
+            let containers = o["spec"]["template"]["spec"]["containers"]
+                .as_array_mut()
+                .context("a workload without containers")?;
+            for c in containers {
+                let image = c["image"].as_str().unwrap_or("");
+                let name = image
+                    .rsplit('/')
+                    .next()
+                    .and_then(|last| last.split(':').next())
+                    .unwrap_or("");
+                c["image"] = json!(format!(
+                    "{}/{name}:{}",
+                    args.registry.trim_end_matches('/'),
+                    args.tag
+                ));
+                if let Some(policy) = args.image_pull_policy {
+                    c["imagePullPolicy"] = json!(format!("{policy:?}"));
+                }
+                set_arg(c, "--cluster-name", &id.cluster);
+                set_arg(c, "--trust-domain", &args.trust_domain);
+                set_arg(c, "--cluster-domain", &args.cluster_domain);
+            }
+        }
+        if kind == "Service" && o["metadata"]["name"] == "strait-gateway" {
+            o["metadata"]["annotations"][GATEWAY_IDENTITY_ANNOTATION] = json!(format!(
+                "spiffe://{}/ns/{SYSTEM_NAMESPACE}/sa/strait-gateway",
+                args.trust_domain
+            ));
+            o["metadata"]["labels"][CLUSTER_NAME_LABEL] = json!(id.cluster);
+            if args.gateway_service_type == ServiceType::NodePort {
+                o["spec"]["type"] = json!("NodePort");
+                for port in o["spec"]["ports"].as_array_mut().into_iter().flatten() {
+                    if port["port"] == 4143 {
+                        port["nodePort"] = json!(args.gateway_node_port);
+                    }
+                }
+            }
+        }
+    }
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let mut extra = Vec::new();
+    // The mirror controller (strait-multicluster) needs the anchors too, for its probe identity.
+    for ns in [SYSTEM_NAMESPACE, LINK_NAMESPACE] {
+        extra.push(json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": TRUST_ANCHORS_CONFIGMAP, "namespace": ns, "labels": labels},
+            "data": {"ca.crt": id.bundle},
+        }));
+    }
+    extra.push(json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": ISSUER_SECRET, "namespace": SYSTEM_NAMESPACE,
+                     "labels": {"app.kubernetes.io/part-of": "strait", "app.kubernetes.io/component": "identity", CLUSTER_NAME_LABEL: id.cluster}},
+        "data": {"tls.crt": b64(&id.issuer_cert), "tls.key": b64(&id.issuer_key), "ca.crt": b64(&id.bundle)},
+    }));
+    objects.extend(extra);
+    objects.sort_by_key(|o| kind_rank(o["kind"].as_str().unwrap_or("")));
+    Ok(objects)
+}
+
+fn print(objects: &[Value], format: Format, header: &str) -> anyhow::Result<String> {
+    Ok(match format {
+        Format::Yaml => {
+            let docs = objects
+                .iter()
+                .map(serde_yaml::to_string)
+                .collect::<Result<Vec<_>, _>>()?;
+            format!("{header}{}", docs.join("---\n"))
+        }
+        Format::Json => {
+            serde_json::to_string_pretty(
+                &json!({"apiVersion": "v1", "kind": "List", "items": objects}),
+            )? + "\n"
+        }
+    })
+}
+
+pub fn install(args: InstallArgs) -> anyhow::Result<String> {
+    if args.tag.is_empty() || args.registry.is_empty() {
+        bail!("--registry and --tag must not be empty");
+    }
+    let id = load_identity(&args)?;
+    let objects = render(&args, &id)?;
+    let header = format!(
+        "# strait install for cluster {} (strait {}): apply with `kubectl apply -f -`.\n# Holds the issuer's private key: do not store this output.\n",
+        id.cluster,
+        env!("CARGO_PKG_VERSION")
+    );
+    print(&objects, args.output, &header)
+}
+
+/// `namespace/name (cluster …)` of a Link, for the refusal.
+fn describe(link: &Link) -> String {
+    format!(
+        "{}/{} (cluster {})",
+        link.namespace().unwrap_or_default(),
+        link.name_any(),
+        link.spec.target_cluster_name
+    )
+}
+
+pub async fn uninstall(args: UninstallArgs) -> anyhow::Result<String> {
+    let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
+    let (client, _) = client_for(&kubeconfig, &args.context).await?;
+    let links = match Api::<Link>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => list.items,
+        // No Link CRD: no Links.
+        Err(kube::Error::Api(e)) if e.code == 404 => Vec::new(),
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(
+                "cannot list the Links of this cluster, so uninstall cannot tell whether it would orphan them; check --context and your access",
+            ));
+        }
+    };
+    if !links.is_empty() {
+        let names: Vec<String> = links.iter().map(describe).collect();
+        bail!(
+            "refusing to uninstall: {} Link(s) still exist: {}; remove each with `strait unlink --cluster-name <cluster>` first (deleting the CRD would delete them without removing their mirrors)",
+            links.len(),
+            names.join(", ")
+        );
+    }
+    // Everything install makes, by reference only (no secrets in this output),
+    // in reverse order: workloads first, the CRD and namespaces last.
+    let mut objects = manifest_objects()?;
+    for ns in [SYSTEM_NAMESPACE, LINK_NAMESPACE] {
+        objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": TRUST_ANCHORS_CONFIGMAP, "namespace": ns}}));
+    }
+    objects.push(json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": ISSUER_SECRET, "namespace": SYSTEM_NAMESPACE}}));
+    // Access that `strait link` gave other clusters to this one (cluster-scoped: not
+    // removed with the namespace).
+    let link_accounts = Api::<ServiceAccount>::namespaced(client.clone(), LINK_NAMESPACE)
+        .list_metadata(&ListParams::default().labels(CLUSTER_NAME_LABEL))
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    if !link_accounts.is_empty() {
+        let clusters: Vec<String> = link_accounts
+            .iter()
+            .filter_map(|sa| sa.labels().get(CLUSTER_NAME_LABEL).cloned())
+            .collect();
+        eprintln!(
+            "warning: other clusters link to this one as {}: their Links stop working; run `strait unlink` there",
+            clusters.join(", ")
+        );
+    }
+    for crb in Api::<ClusterRoleBinding>::all(client.clone())
+        .list_metadata(&ListParams::default().labels(CLUSTER_NAME_LABEL))
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+    {
+        if crb.name_any().starts_with("strait-link-") {
+            objects.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": crb.name_any()}}));
+        }
+    }
+    if Api::<ClusterRole>::all(client.clone())
+        .get_metadata_opt(READER_ROLE)
+        .await
+        .ok()
+        .flatten()
+        .is_some()
+    {
+        objects.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": READER_ROLE}}));
+    }
+    objects.sort_by_key(|o| std::cmp::Reverse(kind_rank(o["kind"].as_str().unwrap_or(""))));
+    let refs: Vec<Value> = objects
+        .iter()
+        .map(|o| {
+            let mut metadata = json!({"name": o["metadata"]["name"]});
+            if let Some(ns) = o["metadata"]["namespace"].as_str() {
+                metadata["namespace"] = json!(ns);
+            }
+            json!({"apiVersion": o["apiVersion"], "kind": o["kind"], "metadata": metadata})
+        })
+        .collect();
+    print(
+        &refs,
+        args.output,
+        "# strait uninstall: delete with `kubectl delete -f -`.\n",
+    )
+}

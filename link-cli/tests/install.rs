@@ -1,0 +1,713 @@
+//! deploy/ and `strait install` / `strait uninstall` against real kube-apiservers:
+//! every manifest under deploy/ (walked, so new files are covered) and what
+//! `install` renders pass server-side dry-run; the pods of every workload pass
+//! admission (Pod Security, priority, ServiceAccount); install output applied
+//! for real with the stock kubectl; `strait link` reads the gateway Service it
+//! made; uninstall refuses while a Link exists.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{Scope, pinned_kind};
+use kube::{Api, Client};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+use strait_testenv::Cluster;
+
+const FIELD_MANAGER: &str = "strait-manifest-test";
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+/// Every *.yaml / *.yml under `dir`, sorted.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn docs(text: &str, what: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|d| Value::deserialize(d).unwrap_or_else(|e| panic!("{what}: not YAML: {e}")))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// A strategic-merge patch file (e.g. the transparent-mode DaemonSet patch).
+fn is_patch(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with("-patch.yaml"))
+}
+
+fn describe(o: &Value) -> String {
+    format!(
+        "{} {}/{}",
+        o["kind"].as_str().unwrap_or("?"),
+        o["metadata"]["namespace"].as_str().unwrap_or("-"),
+        o["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+fn key(o: &Value) -> (String, String, String) {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+    (
+        s(&o["kind"]),
+        s(&o["metadata"]["namespace"]),
+        s(&o["metadata"]["name"]),
+    )
+}
+
+/// The dynamic API for an object's kind (discovered, so CRDs work once established).
+async fn api_for(client: &Client, o: &Value) -> Result<Api<DynamicObject>, String> {
+    let api_version = o["apiVersion"].as_str().ok_or("no apiVersion")?;
+    let kind = o["kind"].as_str().ok_or("no kind")?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let (resource, caps) = pinned_kind(client, &gvk)
+        .await
+        .map_err(|e| format!("the API server does not serve {api_version} {kind}: {e}"))?;
+    Ok(match caps.scope {
+        Scope::Namespaced => {
+            let ns = o["metadata"]["namespace"]
+                .as_str()
+                .ok_or("a namespaced object without metadata.namespace")?;
+            Api::namespaced_with(client.clone(), ns, &resource)
+        }
+        Scope::Cluster => Api::all_with(client.clone(), &resource),
+    })
+}
+
+/// Server-side apply, for real or as a dry run.
+async fn apply(client: &Client, o: &Value, dry_run: bool) -> Result<DynamicObject, String> {
+    let api = api_for(client, o).await?;
+    let name = o["metadata"]["name"].as_str().ok_or("no metadata.name")?;
+    let mut params = PatchParams::apply(FIELD_MANAGER).force();
+    params.dry_run = dry_run;
+    api.patch(name, &params, &Patch::Apply(o))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// A Pod from a workload's template, created as a dry run: what admission
+/// (Pod Security of the namespace, priority class, ServiceAccount) says of the
+/// pods the controller would make. Needs the ServiceAccount to exist.
+async fn dry_run_pod_of(client: &Client, workload: &Value) -> Result<(), String> {
+    let ns = workload["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or("default");
+    let template = &workload["spec"]["template"];
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("{}-template-check", workload["metadata"]["name"].as_str().unwrap_or("x")),
+                     "namespace": ns, "labels": template["metadata"]["labels"]},
+        "spec": template["spec"],
+    });
+    let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    let pod = serde_json::from_value(pod).map_err(|e| e.to_string())?;
+    api.create(
+        &PostParams {
+            dry_run: true,
+            field_manager: Some(FIELD_MANAGER.into()),
+        },
+        &pod,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+async fn wait_established(client: &Client, crd: &Value) {
+    let group = crd["spec"]["group"].as_str().unwrap();
+    let kind = crd["spec"]["names"]["kind"].as_str().unwrap();
+    let version = crd["spec"]["versions"][0]["name"].as_str().unwrap();
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pinned_kind(client, &gvk).await.is_err() {
+        assert!(Instant::now() < deadline, "CRD {kind} never established");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Namespaces, CRDs and ServiceAccounts must exist for the rest to dry-run
+/// (and for pods to be admitted): those are applied for real, in that order.
+async fn apply_prerequisites(client: &Client, objects: &[(String, Value)]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for kind in ["Namespace", "CustomResourceDefinition", "ServiceAccount"] {
+        for (file, o) in objects.iter().filter(|(_, o)| o["kind"] == kind) {
+            if let Err(e) = apply(client, o, false).await {
+                failures.push(format!("{file}: {}: {e}", describe(o)));
+            } else if kind == "CustomResourceDefinition" {
+                wait_established(client, o).await;
+            }
+        }
+    }
+    failures
+}
+
+/// Dry-runs every object and the pods of every workload; returns the refusals.
+async fn dry_run_all(client: &Client, objects: &[(String, Value)]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (file, o) in objects {
+        match apply(client, o, true).await {
+            Err(e) => failures.push(format!("{file}: {}: {e}", describe(o))),
+            Ok(_) if o["kind"] == "Deployment" || o["kind"] == "DaemonSet" => {
+                if let Err(e) = dry_run_pod_of(client, o).await {
+                    failures.push(format!("{file}: a pod of {}: {e}", describe(o)));
+                }
+            }
+            Ok(_) => {}
+        }
+    }
+    failures
+}
+
+fn strait(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strait"))
+        .args(args)
+        .output()
+        .expect("run strait")
+}
+
+fn ok_stdout(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A trust anchor and an issuer for `cluster`, made with the CLI: DIR/anchor/ca.{crt,key}
+/// and DIR/<cluster>/{issuer.crt,issuer.key,ca.crt}.
+fn make_identity(dir: &Path, cluster: &str) -> PathBuf {
+    let anchor = dir.join("anchor");
+    if !anchor.join("ca.crt").exists() {
+        ok_stdout(
+            strait(&[
+                "identity",
+                "trust-anchor",
+                "--out-dir",
+                anchor.to_str().unwrap(),
+            ]),
+            "trust-anchor",
+        );
+    }
+    let out = dir.join(cluster);
+    ok_stdout(
+        strait(&[
+            "identity",
+            "issuer",
+            "--anchor-cert",
+            anchor.join("ca.crt").to_str().unwrap(),
+            "--anchor-key",
+            anchor.join("ca.key").to_str().unwrap(),
+            "--cluster",
+            cluster,
+            "--out-dir",
+            out.to_str().unwrap(),
+        ]),
+        "issuer",
+    );
+    out
+}
+
+fn kubectl(kc: &Path, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kc)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the stock kubectl");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_manifest_under_deploy_and_the_install_output_pass_server_side_dry_run() {
+    let cluster = Cluster::start("manifests").await.unwrap();
+    let client = cluster.client();
+
+    let mut objects = Vec::new();
+    let mut patches = Vec::new();
+    let files = yaml_files(&deploy_dir());
+    for path in &files {
+        let file = path
+            .strip_prefix(deploy_dir())
+            .unwrap()
+            .display()
+            .to_string();
+        for o in docs(&std::fs::read_to_string(path).unwrap(), &file) {
+            assert!(
+                o.get("kind").is_some() && o.get("apiVersion").is_some(),
+                "deploy/{file}: a document without apiVersion/kind: {o}"
+            );
+            if is_patch(path) {
+                patches.push((file.clone(), o));
+            } else {
+                objects.push((file.clone(), o));
+            }
+        }
+    }
+    // An object in several files (a folder's Namespace) must be the same in
+    // each: `kubectl apply -f deploy/ -R` keeps whichever comes last.
+    for (i, (file, o)) in objects.iter().enumerate() {
+        for (other_file, other) in &objects[i + 1..] {
+            if key(o) == key(other) && o != other {
+                panic!(
+                    "{} differs between deploy/{file} and deploy/{other_file}: make the copies equal",
+                    describe(o)
+                );
+            }
+        }
+    }
+    assert!(
+        files.len() >= 12 && objects.len() >= 25,
+        "walked too little of deploy/: {files:?}"
+    );
+    let mut failures = apply_prerequisites(&client, &objects).await;
+    failures.extend(dry_run_all(&client, &objects).await);
+
+    // The kind scripts' Kubernetes manifests (the sample app), not kind's own configs.
+    let kind_dir = deploy_dir().join("../testenv/kind");
+    let mut kind_objects = Vec::new();
+    for path in yaml_files(&kind_dir) {
+        let file = format!(
+            "testenv/kind/{}",
+            path.file_name().unwrap().to_string_lossy()
+        );
+        for o in docs(&std::fs::read_to_string(&path).unwrap(), &file) {
+            if !o["apiVersion"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("kind.x-k8s.io/"))
+            {
+                kind_objects.push((file.clone(), o));
+            }
+        }
+    }
+    assert!(!kind_objects.is_empty(), "no manifests in testenv/kind");
+    failures.extend(apply_prerequisites(&client, &kind_objects).await);
+    failures.extend(dry_run_all(&client, &kind_objects).await);
+
+    // A patch needs its target: apply that for real, then dry-run the patch
+    // (strategic merge, as `kubectl patch --patch-file`) and admit its pods.
+    for (file, patch) in &patches {
+        let Some((_, target)) = objects.iter().find(|(_, o)| key(o) == key(patch)) else {
+            failures.push(format!(
+                "{file}: patches {}, which no manifest defines",
+                describe(patch)
+            ));
+            continue;
+        };
+        if let Err(e) = apply(&client, target, false).await {
+            failures.push(format!("{file}: its target {}: {e}", describe(target)));
+            continue;
+        }
+        let api = api_for(&client, patch).await.unwrap();
+        let name = patch["metadata"]["name"].as_str().unwrap();
+        let params = PatchParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        match api.patch(name, &params, &Patch::Strategic(patch)).await {
+            Err(e) => failures.push(format!("{file}: patch of {}: {e}", describe(patch))),
+            Ok(patched) => {
+                let patched = serde_json::to_value(patched).unwrap();
+                if let Err(e) = dry_run_pod_of(&client, &patched).await {
+                    failures.push(format!(
+                        "{file}: a pod of the patched {}: {e}",
+                        describe(patch)
+                    ));
+                }
+            }
+        }
+    }
+
+    // What `strait install` renders, with both gateway Service types.
+    let dir = tempfile::tempdir().unwrap();
+    let identity = make_identity(dir.path(), "manifests");
+    for service_type in ["LoadBalancer", "NodePort"] {
+        let out = ok_stdout(
+            strait(&[
+                "install",
+                "--identity-dir",
+                identity.to_str().unwrap(),
+                "--gateway-service-type",
+                service_type,
+                "--registry",
+                "registry.example:5000/strait",
+                "--tag",
+                "v-test",
+            ]),
+            "strait install",
+        );
+        let rendered: Vec<(String, Value)> = docs(&out, "install output")
+            .into_iter()
+            .map(|o| (format!("strait install ({service_type})"), o))
+            .collect();
+        // install covers deploy/: every object there (patches aside) is in its output.
+        for (file, o) in &objects {
+            if !rendered.iter().any(|(_, r)| key(r) == key(o)) {
+                failures.push(format!(
+                    "strait install does not render {} of deploy/{file}: add the file to MANIFESTS in link-cli/src/install.rs",
+                    describe(o)
+                ));
+            }
+        }
+        failures.extend(apply_prerequisites(&client, &rendered).await);
+        failures.extend(dry_run_all(&client, &rendered).await);
+    }
+
+    assert!(
+        failures.is_empty(),
+        "the API server refused {} manifest(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_applied_with_kubectl_then_link_reads_the_gateway_and_uninstall_refuses_while_links_exist()
+ {
+    let east = Cluster::start("east").await.unwrap();
+    let client = east.client();
+    let kc = east.kubeconfig_path();
+    let kc_s = kc.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let identity = make_identity(dir.path(), "east");
+
+    let manifests = ok_stdout(
+        strait(&[
+            "install",
+            "--identity-dir",
+            identity.to_str().unwrap(),
+            "--gateway-service-type",
+            "NodePort",
+            "--gateway-node-port",
+            "31443",
+            "--tag",
+            "dev",
+        ]),
+        "strait install",
+    );
+    let applied = kubectl(&kc, &["apply", "-f", "-"], &manifests);
+    assert!(
+        applied.status.success(),
+        "kubectl apply of the install output: {}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+
+    // The identity landed where the components read it.
+    let secret = Api::<Secret>::namespaced(client.clone(), "strait-system")
+        .get("strait-identity-issuer")
+        .await
+        .unwrap();
+    let data = secret.data.unwrap();
+    let file = |n: &str| std::fs::read(identity.join(n)).unwrap();
+    assert_eq!(data["tls.crt"].0, file("issuer.crt"));
+    assert_eq!(data["tls.key"].0, file("issuer.key"));
+    assert_eq!(data["ca.crt"].0, file("ca.crt"));
+    for ns in ["strait-system", "strait-multicluster"] {
+        let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+            .get("strait-trust-anchors")
+            .await
+            .unwrap();
+        assert_eq!(
+            cm.data.unwrap()["ca.crt"].as_bytes(),
+            file("ca.crt"),
+            "trust anchors in {ns}"
+        );
+    }
+    let gateway: Value = serde_json::to_value(
+        Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(client.clone(), "strait-system")
+            .get("strait-gateway")
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let container = &gateway["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["image"], "ghcr.io/strait-dev/strait-gateway:dev");
+    assert!(
+        container["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("--cluster-name=east")),
+        "{container}"
+    );
+    let svc = Api::<Service>::namespaced(client.clone(), "strait-system")
+        .get("strait-gateway")
+        .await
+        .unwrap();
+    let spec = svc.spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+    let node_ports: Vec<_> = spec
+        .ports
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.port == 4143)
+        .map(|p| (p.protocol.unwrap_or_default(), p.node_port))
+        .collect();
+    assert_eq!(
+        node_ports,
+        [
+            ("UDP".to_string(), Some(31443)),
+            ("TCP".to_string(), Some(31443))
+        ]
+    );
+
+    // `strait link` against this cluster takes the gateway from that Service.
+    strait_testenv::workloads::create_node(&client, "node-1", "10.9.0.7".parse().unwrap())
+        .await
+        .unwrap();
+    let link_out = ok_stdout(
+        strait(&[
+            "link",
+            "--kubeconfig",
+            kc_s,
+            "--cluster-name",
+            "east",
+            "-o",
+            "json",
+        ]),
+        "strait link",
+    );
+    let list: Value = serde_json::from_str(&link_out).unwrap();
+    let link = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == "Link")
+        .unwrap()
+        .clone();
+    let spec = &link["spec"];
+    assert_eq!(spec["gatewayAddresses"], json!(["10.9.0.7"]));
+    assert_eq!(spec["gatewayPort"], 31443);
+    assert_eq!(
+        spec["gatewayIdentity"],
+        "spiffe://cluster.local/ns/strait-system/sa/strait-gateway"
+    );
+    assert_eq!(spec["probe"]["period"], "3s");
+    assert_eq!(spec["probe"]["timeout"], "2s");
+    assert_eq!(spec["probe"]["failureThreshold"], 3);
+    assert!(spec["probe"].get("port").is_none(), "{spec}");
+
+    // A Link exists (applied here, as if another cluster were linked): uninstall refuses.
+    let applied = kubectl(&kc, &["apply", "-f", "-"], &link_out);
+    assert!(
+        applied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+    let refused = strait(&["uninstall", "--kubeconfig", kc_s]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "uninstall went ahead: {stderr}");
+    assert!(
+        stderr.contains("strait-multicluster/east (cluster east)") && refused.stdout.is_empty(),
+        "{stderr}"
+    );
+
+    // Without Links: the objects to delete, by name only (no keys, no certificates).
+    let deleted = kubectl(
+        &kc,
+        &["-n", "strait-multicluster", "delete", "link", "east"],
+        "",
+    );
+    assert!(deleted.status.success());
+    let out = strait(&["uninstall", "--kubeconfig", kc_s]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let listing = ok_stdout(out, "strait uninstall");
+    assert!(
+        !listing
+            .lines()
+            .any(|l| l.starts_with("data:") || l.contains("BEGIN") || l.contains("tls.key")),
+        "{listing}"
+    );
+    assert!(
+        stderr.contains("other clusters link to this one as east"),
+        "{stderr}"
+    );
+    let listed = docs(&listing, "uninstall output");
+    let rendered = docs(&manifests, "install output");
+    for o in &rendered {
+        assert!(
+            listed.iter().any(|l| key(l) == key(o)),
+            "uninstall does not list {}",
+            describe(o)
+        );
+    }
+    for extra in [
+        "ClusterRole//strait-link-reader",
+        "ClusterRoleBinding//strait-link-east",
+    ] {
+        assert!(
+            listed.iter().any(|l| {
+                let (k, ns, n) = key(l);
+                format!("{k}/{ns}/{n}") == extra
+            }),
+            "uninstall does not list {extra}"
+        );
+    }
+    let last = listed.last().unwrap();
+    assert_eq!(last["kind"], "Namespace", "namespaces go last");
+
+    let deleted = kubectl(&kc, &["delete", "--wait=false", "-f", "-"], &listing);
+    assert!(
+        deleted.status.success(),
+        "kubectl delete of the uninstall output: {}",
+        String::from_utf8_lossy(&deleted.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ns = Api::<Namespace>::all(client.clone())
+            .get_opt("strait-system")
+            .await
+            .unwrap();
+        let crd = Api::<CustomResourceDefinition>::all(client.clone())
+            .get_opt("links.multicluster.strait.dev")
+            .await
+            .unwrap();
+        if ns.is_none() && crd.is_none() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still there after uninstall: namespace {} CRD {}",
+            ns.is_some(),
+            crd.is_some()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Writes an issuer for `cluster` signed by the anchor in `anchor_dir`, valid
+/// only in the past (rcgen directly: the CLI refuses to make one).
+fn write_expired_issuer(anchor_dir: &Path, out: &Path, cluster: &str) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let anchor_key =
+        KeyPair::from_pem(&std::fs::read_to_string(anchor_dir.join("ca.key")).unwrap()).unwrap();
+    let anchor_pem = std::fs::read_to_string(anchor_dir.join("ca.crt")).unwrap();
+    let anchor = rcgen::Issuer::from_ca_cert_pem(&anchor_pem, anchor_key).unwrap();
+    let mut params = CertificateParams::default();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("strait issuer {cluster}"));
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::days(10);
+    params.not_after = now - time::Duration::days(1);
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &anchor).unwrap();
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::write(out.join("issuer.crt"), cert.pem()).unwrap();
+    std::fs::write(out.join("issuer.key"), key.serialize_pem()).unwrap();
+    std::fs::copy(anchor_dir.join("ca.crt"), out.join("ca.crt")).unwrap();
+}
+
+fn install_error(args: &[&str]) -> String {
+    let mut all = vec!["install"];
+    all.extend_from_slice(args);
+    let out = strait(&all);
+    assert!(
+        !out.status.success(),
+        "strait {all:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(out.stdout.is_empty(), "printed manifests despite the error");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn install_refuses_a_missing_or_mismatched_identity_saying_what_to_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let east = make_identity(dir.path(), "east");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+
+    let err = install_error(&[]);
+    assert!(err.contains("--identity-dir"), "{err}");
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let err = install_error(&["--identity-dir", &s(&empty)]);
+    assert!(
+        err.contains("issuer.crt") && err.contains("--issuer-cert"),
+        "{err}"
+    );
+
+    // An issuer under another anchor than the bundle given.
+    let other = tempfile::tempdir().unwrap();
+    let other_east = make_identity(other.path(), "east");
+    let err = install_error(&[
+        "--identity-dir",
+        &s(&east),
+        "--trust-anchors",
+        &s(&other_east.join("ca.crt")),
+    ]);
+    assert!(
+        err.contains("not signed by any certificate in the trust-anchor bundle"),
+        "{err}"
+    );
+
+    // A key that is not the issuer's.
+    let err = install_error(&[
+        "--identity-dir",
+        &s(&east),
+        "--issuer-key",
+        &s(&other_east.join("issuer.key")),
+    ]);
+    assert!(err.contains("private key does not belong"), "{err}");
+
+    // The issuer of another cluster.
+    let err = install_error(&["--identity-dir", &s(&east), "--cluster-name", "west"]);
+    assert!(
+        err.contains("made for cluster \"east\", not \"west\"") && err.contains("--cluster west"),
+        "{err}"
+    );
+
+    // An expired issuer.
+    let expired = dir.path().join("expired");
+    write_expired_issuer(&dir.path().join("anchor"), &expired, "east");
+    let err = install_error(&["--identity-dir", &s(&expired)]);
+    assert!(
+        err.contains("expired at") && err.contains("strait identity issuer"),
+        "{err}"
+    );
+
+    // A cluster name that cannot be part of object names.
+    let bad = make_identity(dir.path(), "East_1");
+    let err = install_error(&["--identity-dir", &s(&bad)]);
+    assert!(err.contains("not a DNS label"), "{err}");
+
+    // And the good one renders, named after the issuer's cluster.
+    let out = ok_stdout(
+        strait(&["install", "--identity-dir", &s(&east)]),
+        "strait install",
+    );
+    assert!(out.contains("--cluster-name=east"), "{out}");
+}
