@@ -274,7 +274,6 @@ impl Demo {
                 &anchor_dir.to_string_lossy(),
             ],
         )?;
-        let anchor_pem = std::fs::read_to_string(anchor_dir.join("ca.crt"))?;
 
         self.narrator.step(&format!(
             "Two clusters, east and west, {NODES} nodes each (real kube-apiserver, etcd, controller-manager; nodes and pods are network namespaces)"
@@ -306,18 +305,8 @@ impl Demo {
             }
         }
         say(format!("export KUBECONFIG={}", self.kubeconfig.display()));
-        self.east = Some(MeshCluster::new(
-            east,
-            self.binaries.clone(),
-            &anchor_pem,
-            &self.dir,
-        )?);
-        self.west = Some(MeshCluster::new(
-            west,
-            self.binaries.clone(),
-            &anchor_pem,
-            &self.dir,
-        )?);
+        self.east = Some(MeshCluster::new(east, self.binaries.clone(), &self.dir)?);
+        self.west = Some(MeshCluster::new(west, self.binaries.clone(), &self.dir)?);
 
         self.narrator.step(
             "Identity: an issuer per cluster signed by the anchor, and the real strait-identity process",
@@ -327,6 +316,19 @@ impl Demo {
             self.shown("kubectl", &["--context", name, "apply", "-f", ns_manifest])?;
             let anchor_cert = anchor_dir.join("ca.crt").to_string_lossy().into_owned();
             let anchor_key = anchor_dir.join("ca.key").to_string_lossy().into_owned();
+            self.shown(
+                "kubectl",
+                &[
+                    "--context",
+                    name,
+                    "-n",
+                    "strait-system",
+                    "create",
+                    "configmap",
+                    "strait-trust-anchors",
+                    &format!("--from-file=ca.crt={anchor_cert}"),
+                ],
+            )?;
             self.piped(
                 (
                     "strait",
@@ -506,8 +508,9 @@ impl Demo {
 
         self.narrator
             .step("strait check and strait gateways (east)");
-        self.strait_report("check");
-        self.strait_report("gateways");
+        // The mirror controller's first probes are seconds old: let check wait for them.
+        self.strait_report(&["check", "--wait", "30s"])?;
+        self.strait_report(&["gateways"])?;
 
         println!(
             "\n\x1b[1mdemo passed\x1b[0m in {:.1}s",
@@ -536,20 +539,17 @@ impl Demo {
         Ok(())
     }
 
-    /// Sets the export label on west's Service. `strait export svc/NAME`
-    /// (issue 7, the check/export work) replaces this kubectl call once it lands.
+    /// Exports west's Service with the real CLI (it sets the export label).
     fn export_service(&self, service: &str) -> anyhow::Result<()> {
         self.shown(
-            "kubectl",
+            "strait",
             &[
-                "--context",
-                "west",
+                "export",
+                &format!("svc/{service}"),
                 "-n",
                 NAMESPACE,
-                "label",
-                "svc",
-                service,
-                "strait.dev/exported=true",
+                "--context",
+                "west",
             ],
         )?;
         Ok(())
@@ -838,22 +838,17 @@ impl Demo {
         Ok(())
     }
 
-    /// Runs `strait <sub> --context east` and prints what it says. Until the
-    /// check/gateways work lands the subcommand does not exist: that is said
-    /// plainly and does not fail the demo.
-    fn strait_report(&self, sub: &str) {
-        say(format!("$ strait {sub} --context east"));
-        let out = match self
+    /// Runs `strait <args…> --context east`, prints what it says, and fails
+    /// on a non-zero exit (after printing it).
+    fn strait_report(&self, args: &[&str]) -> anyhow::Result<()> {
+        let mut all = args.to_vec();
+        all.extend(["--context", "east"]);
+        say(format!("$ strait {}", all.join(" ")));
+        let out = self
             .command("strait")
-            .args([sub, "--context", "east"])
+            .args(&all)
             .output()
-        {
-            Ok(out) => out,
-            Err(e) => {
-                say(format!("  could not run strait: {e}"));
-                return;
-            }
-        };
+            .context("run strait")?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         for line in String::from_utf8_lossy(&out.stdout)
             .lines()
@@ -861,16 +856,13 @@ impl Demo {
         {
             say(format!("  {line}"));
         }
-        if out.status.success() {
-            return;
-        }
-        if stderr.contains("unrecognized subcommand") {
-            say(format!(
-                "  → `strait {sub}` does not exist in this build yet (issue 7, the check/gateways work); the demo will show it once that is merged"
-            ));
-        } else {
-            say(format!("  → `strait {sub}` exited with {}", out.status));
-        }
+        ensure!(
+            out.status.success(),
+            "`strait {}` failed ({}): see its output above",
+            all.join(" "),
+            out.status
+        );
+        Ok(())
     }
 
     /// Waits for Ctrl-C, refreshing the identity tokens meanwhile.

@@ -7,7 +7,8 @@
 //! files a kubelet would mount are written to its folder — an API token for
 //! its kubeconfig, a projected identity token (audience `strait.dev/identity`,
 //! bound to its Pod, refreshed by [`MeshCluster::refresh_tokens`] as a kubelet
-//! refreshes it) and the trust anchors. The certificates themselves come from
+//! refreshes it) and the trust anchors from the `strait-trust-anchors`
+//! ConfigMap. The certificates themselves come from
 //! the cluster's `strait-identity` process over `--issuer-addr`/`--token-file`.
 //! Nothing here signs a certificate.
 //!
@@ -121,7 +122,6 @@ pub struct MeshCluster {
     issuer: Option<RunningIssuer>,
     topology: ClusterTopology,
     name: String,
-    anchors_pem: String,
     tokens: Vec<ProjectedToken>,
     dir: PathBuf,
     binaries: Binaries,
@@ -129,12 +129,7 @@ pub struct MeshCluster {
 
 impl MeshCluster {
     /// Wraps a started topology; `dir` holds the components' files and logs.
-    pub fn new(
-        topology: ClusterTopology,
-        binaries: Binaries,
-        anchors_pem: &str,
-        dir: &Path,
-    ) -> anyhow::Result<Self> {
+    pub fn new(topology: ClusterTopology, binaries: Binaries, dir: &Path) -> anyhow::Result<Self> {
         let name = topology.cluster().name().to_string();
         let dir = dir.join(&name);
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
@@ -144,7 +139,6 @@ impl MeshCluster {
             issuer: None,
             topology,
             name,
-            anchors_pem: anchors_pem.to_string(),
             tokens: Vec::new(),
             dir,
             binaries,
@@ -297,7 +291,7 @@ impl MeshCluster {
             &dir.join("kubeconfig"),
             &crate::kubeconfig::to_yaml(&kubeconfig)?,
         )?;
-        std::fs::write(dir.join("ca.crt"), &self.anchors_pem)?;
+        std::fs::write(dir.join("ca.crt"), self.trust_anchors().await?)?;
         let projected = ProjectedToken {
             path: dir.join("token"),
             namespace: namespace.into(),
@@ -333,6 +327,19 @@ impl MeshCluster {
             self.write_token(t).await?;
         }
         Ok(())
+    }
+
+    /// `ca.crt` of ConfigMap `strait-system/strait-trust-anchors`, which
+    /// components mount as their trust anchors (as `strait install` sets up).
+    pub async fn trust_anchors(&self) -> anyhow::Result<String> {
+        let map: k8s_openapi::api::core::v1::ConfigMap =
+            Api::namespaced(self.client(), "strait-system")
+                .get("strait-trust-anchors")
+                .await
+                .context("read ConfigMap strait-system/strait-trust-anchors (create it from the anchor's ca.crt first)")?;
+        map.data
+            .and_then(|d| d.get("ca.crt").cloned())
+            .context("ConfigMap strait-system/strait-trust-anchors has no ca.crt")
     }
 
     /// The identity flags every component takes.

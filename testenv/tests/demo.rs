@@ -146,8 +146,22 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         "latency run:\n{out}"
     );
     assert!(out.contains("latency p50 "), "{out}");
-    assert!(out.contains("$ strait check --context east"), "{out}");
+    // strait check passed (the demo fails otherwise) and saw the live gateway.
+    assert!(
+        out.contains("$ strait check --wait 30s --context east"),
+        "{out}"
+    );
+    assert!(out.contains("✓ link west: gateway: alive"), "{out}");
+    assert!(
+        out.contains("✓ mirror endpoints: all 1 mirror Service(s) have ready endpoints"),
+        "{out}"
+    );
     assert!(out.contains("$ strait gateways --context east"), "{out}");
+    let gateways = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("west ") && l.contains(" yes "))
+        .unwrap_or_else(|| panic!("strait gateways shows west alive:\n{out}"));
+    assert!(gateways.contains(" 1 "), "one mirrored service: {gateways}");
     assert!(out.contains("demo passed"), "{out}");
 
     // Nothing left: the demo's processes, namespace anchors and LAN interfaces.
