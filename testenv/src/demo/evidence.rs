@@ -1,0 +1,525 @@
+//! The demo's evidence: what it reads from the clusters, the components'
+//! metrics and the WAN to show (and check) what happened to a request.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Api;
+use strait_mesh::link::Link;
+
+use super::{CALLER_SA, Demo, MIRROR, NAMESPACE, NODES, SERVICE, say};
+use crate::stack::{MeshCluster, metric_sum};
+
+impl Demo {
+    /// Evidence that certificates came from the issuers, not from files.
+    pub(super) async fn issuance_evidence(&self) -> anyhow::Result<()> {
+        for c in [self.east(), self.west()] {
+            let m = c.issuer().expect("started").metrics().await;
+            let issued = metric_sum(&m, "identity_issuance_total", &["result=\"issued\""])
+                + metric_sum(&m, "identity_issuance_total", &["result=\"success\""]);
+            let all = metric_sum(&m, "identity_issuance_total", &[]);
+            say(format!(
+                "{:<5} issuer: identity_issuance_total = {all} ({issued} issued)",
+                c.name()
+            ));
+            ensure!(
+                all >= NODES as f64,
+                "{}'s issuer issued {all} certificates, but {NODES} node proxies are ready: where did their certificates come from?\n{m}",
+                c.name()
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits for the mirror Service and a ready endpoint at the gateway;
+    /// returns lines describing them and the Link's status.
+    pub(super) async fn wait_for_mirror(
+        &self,
+        gateway_ip: Ipv4Addr,
+    ) -> anyhow::Result<Vec<String>> {
+        let client = self.east().client();
+        let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
+        let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
+        let links: Api<Link> = Api::namespaced(client, "strait-multicluster");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let svc = services.get_opt(MIRROR).await?;
+            let slice = slices.get_opt(MIRROR).await?;
+            if let (Some(svc), Some(slice)) = (&svc, &slice) {
+                let ready: Vec<String> = slice
+                    .endpoints
+                    .iter()
+                    .flatten()
+                    .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                    .flat_map(|e| e.addresses.clone())
+                    .collect();
+                if ready.contains(&gateway_ip.to_string()) {
+                    return Ok(describe_mirror(svc, slice, links.get_opt("west").await?));
+                }
+            }
+            if Instant::now() > deadline {
+                let link = links.get_opt("west").await?;
+                bail!(
+                    "no ready mirror {NAMESPACE}/{MIRROR} in east after 60s (Service: {}, EndpointSlice: {:?}); Link west status: {:?}; see {}",
+                    svc.is_some(),
+                    slice.map(|s| s.endpoints),
+                    link.and_then(|l| l.status),
+                    self.east()
+                        .component("strait-mirror-0")
+                        .map(|c| c.process.log_path().display().to_string())
+                        .unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The caller pod's curl through its node proxy (`http_proxy`).
+    fn curl(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let caller = self.east().pod(CALLER_SA).context("the caller pod")?;
+        let proxy = format!("http://{}:4140", caller.node().ip());
+        caller
+            .command("curl")
+            .args(["-sS", "-x", &proxy])
+            .args(args)
+            .output()
+            .context("run curl in the caller pod (package curl)")
+    }
+
+    pub(super) async fn traced_request(&self, gateway_ip: Ipv4Addr) -> anyhow::Result<()> {
+        let east = self.east();
+        let west = self.west();
+        let caller = east.pod(CALLER_SA).context("the caller pod")?;
+        let east_proxy = format!("strait-proxy-{}", caller.node().name());
+        let before = Snapshot::take(east, west, &east_proxy).await?;
+        let pcap = self.dir.join("wan.pcap");
+        let capture = self
+            .wan
+            .as_ref()
+            .context("the WAN")?
+            .capture(&pcap)
+            .context("capture the WAN (tcpdump)")?;
+        let url = format!("http://{MIRROR}.{NAMESPACE}.svc.cluster.local/hello");
+        say(format!(
+            "$ curl -x http://{}:4140 {url}     (in pod {NAMESPACE}/{CALLER_SA})",
+            caller.node().ip()
+        ));
+        let mut failures = Vec::new();
+        let answer = loop {
+            let out = self.curl(&["--max-time", "10", &url])?;
+            let body = String::from_utf8_lossy(&out.stdout).to_string();
+            match serde_json::from_str::<serde_json::Value>(&body) {
+                Ok(v) if out.status.success() && v["pod"].is_string() => break v,
+                _ => failures.push(format!(
+                    "{body}{}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )),
+            }
+            if failures.len() >= 20 {
+                bail!(
+                    "east's pod could not reach {url} through its node proxy in {} attempts; the last said: {}",
+                    failures.len(),
+                    failures
+                        .last()
+                        .map(String::as_str)
+                        .unwrap_or_default()
+                        .trim()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        if !failures.is_empty() {
+            say(format!(
+                "({} attempt(s) failed first while east's proxy learned the mirror: {:?})",
+                failures.len(),
+                failures.last()
+            ));
+        }
+        say(format!("  {answer}"));
+        let pod_name = answer["pod"].as_str().unwrap_or_default().to_string();
+        let backend = west
+            .pod(&pod_name)
+            .with_context(|| format!("the answer names pod {pod_name}, which west does not run"))?;
+        let west_proxy = format!("strait-proxy-{}", backend.node().name());
+        let after = Snapshot::take(east, west, &east_proxy).await?;
+        let wan = WanEvidence::read(capture.stop()?, &pcap, gateway_ip)?;
+        let d = after.minus(&before, &west_proxy);
+
+        say("");
+        say("path (each hop with its evidence):");
+        say(format!(
+            "  1. pod {NAMESPACE}/{CALLER_SA} ({}) on {}  →  east node proxy on {} ({}:4140)",
+            caller.ip(),
+            caller.node().name(),
+            caller.node().name(),
+            caller.node().ip()
+        ));
+        say(format!(
+            "     evidence: {east_proxy} request_total{{direction=outbound, dst=strait-system/strait-gateway}} +{}",
+            d.east_outbound
+        ));
+        say(format!(
+            "  2. east node proxy  →  QUIC (mTLS) across the WAN  →  west gateway {gateway_ip}:4143"
+        ));
+        say(format!(
+            "     evidence: strait-gateway-0 gateway_streams_total{{transport=quic, src=shop/client, dst_service=web}} +{} (QUIC connections accepted so far: {}; tunnel probes answered: {})",
+            d.gateway_quic_streams, after.gateway_quic_connections, after.gateway_probes
+        ));
+        say(format!(
+            "     evidence: the WAN's capture holds {} UDP and {} TCP packets to/from {gateway_ip}:4143, and none of {:?} in clear text{}",
+            wan.udp,
+            wan.tcp,
+            WanEvidence::NEEDLES,
+            if wan.plaintext.is_empty() {
+                String::new()
+            } else {
+                format!(" — FOUND {:?}", wan.plaintext)
+            }
+        ));
+        say(format!(
+            "  3. west gateway  →  west node proxy on {} ({}:4143, mTLS, carrying the caller's identity)",
+            backend.node().name(),
+            backend.node().ip()
+        ));
+        say(format!(
+            "     evidence: {west_proxy} request_total{{direction=inbound, src=shop/client}} +{}",
+            d.west_inbound
+        ));
+        say(format!(
+            "  4. west node proxy  →  pod {NAMESPACE}/{pod_name} ({}:8080)",
+            backend.ip()
+        ));
+        say(format!(
+            "     evidence: the answer names pod \"{pod_name}\""
+        ));
+        let client_id = answer["headers"]["strait-client-id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        say("");
+        say(format!(
+            "caller identity seen by the west pod (strait-client-id): {client_id}"
+        ));
+        let expected = format!(
+            "spiffe://{}/ns/{NAMESPACE}/sa/{CALLER_SA}",
+            crate::stack::TRUST_DOMAIN
+        );
+        let mut broken = Vec::new();
+        if d.east_outbound < 1.0 {
+            broken.push("east node proxy: no outbound request to the gateway counted");
+        }
+        if d.gateway_quic_streams < 1.0 {
+            broken.push("west gateway: no QUIC stream for shop/client → web counted");
+        }
+        if d.west_inbound < 1.0 {
+            broken.push("west node proxy: no inbound request from shop/client counted");
+        }
+        if wan.udp == 0 {
+            broken.push("WAN: no UDP (QUIC) packet to the gateway was captured");
+        }
+        if !wan.plaintext.is_empty() {
+            broken.push("WAN: the request's words crossed the WAN in clear text");
+        }
+        if client_id != expected {
+            broken.push("west pod: strait-client-id is not the east caller's SPIFFE ID");
+        }
+        ensure!(
+            broken.is_empty(),
+            "the request was answered, but a hop shows no evidence: {}; expected caller {expected}",
+            broken.join("; ")
+        );
+        say("hops verified: east proxy → QUIC → west gateway → west proxy → pod");
+        for c in [east, west] {
+            let m = c.issuer().expect("started").metrics().await;
+            say(format!(
+                "{:<5} issuer has signed {} certificates so far (node proxies, their pods' identities, {})",
+                c.name(),
+                metric_sum(&m, "identity_issuance_total", &[]),
+                if c.name() == "west" {
+                    "the gateway"
+                } else {
+                    "the mirror controller"
+                }
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) async fn latency(&self, n: usize) -> anyhow::Result<()> {
+        let east = self.east();
+        let west = self.west();
+        let caller = east.pod(CALLER_SA).context("the caller pod")?;
+        let east_proxy = format!("strait-proxy-{}", caller.node().name());
+        let before = Snapshot::take(east, west, &east_proxy).await?;
+        // One curl, one keep-alive connection to the node proxy, n requests in a row.
+        let mut args: Vec<String> = vec![
+            "--max-time".into(),
+            "120".into(),
+            "-w".into(),
+            "%{http_code} %{time_total}\\n".into(),
+        ];
+        for i in 0..n {
+            args.push("-o".into());
+            args.push("/dev/null".into());
+            args.push(format!(
+                "http://{MIRROR}.{NAMESPACE}.svc.cluster.local/latency/{i}"
+            ));
+        }
+        let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let out = self.curl(&arg_refs)?;
+        let wall = started.elapsed();
+        let mut times = Vec::new();
+        let mut failed = 0;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(code), Some(t)) = (parts.next(), parts.next()) else {
+                continue;
+            };
+            if code == "200" {
+                times.push(t.parse::<f64>().unwrap_or(f64::NAN) * 1000.0);
+            } else {
+                failed += 1;
+            }
+        }
+        let after = Snapshot::take(east, west, &east_proxy).await?;
+        ensure!(
+            !times.is_empty(),
+            "no request succeeded: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        times.sort_by(f64::total_cmp);
+        let pct =
+            |p: f64| times[((times.len() as f64 * p).ceil() as usize).clamp(1, times.len()) - 1];
+        say(format!(
+            "{} ok, {failed} failed in {:.2}s; latency p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms (curl's time_total per request, one keep-alive connection to the node proxy, sequential)",
+            times.len(),
+            wall.as_secs_f64(),
+            pct(0.50),
+            pct(0.90),
+            pct(0.99),
+            times[times.len() - 1]
+        ));
+        let streams = after.gateway_quic_streams - before.gateway_quic_streams;
+        say(format!(
+            "gateway: +{streams} new QUIC streams for shop/client → web (east's proxy keeps its pooled HTTP/1 connection, one stream, open between requests; the gateway chose a pod per stream)"
+        ));
+        for (name, count) in after.west_inbound_by_proxy(&before) {
+            say(format!(
+                "west  {name}: +{count} inbound requests from shop/client"
+            ));
+        }
+        ensure!(
+            failed == 0,
+            "{failed} of {n} requests failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+}
+
+fn describe_mirror(svc: &Service, slice: &EndpointSlice, link: Option<Link>) -> Vec<String> {
+    let spec = svc.spec.clone().unwrap_or_default();
+    let labels = svc.metadata.labels.clone().unwrap_or_default();
+    let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+    let ports: Vec<String> = spec
+        .ports
+        .unwrap_or_default()
+        .iter()
+        .map(|p| format!("{}/{}", p.port, p.protocol.as_deref().unwrap_or("TCP")))
+        .collect();
+    let mut lines = vec![
+        format!(
+            "Service  east {NAMESPACE}/{MIRROR}  ClusterIP {}  ports {}",
+            spec.cluster_ip.unwrap_or_default(),
+            ports.join(",")
+        ),
+        format!(
+            "         labels strait.dev/mirrored-service={} strait.dev/cluster-name={}",
+            labels
+                .get("strait.dev/mirrored-service")
+                .map(String::as_str)
+                .unwrap_or("?"),
+            labels
+                .get("strait.dev/cluster-name")
+                .map(String::as_str)
+                .unwrap_or("?")
+        ),
+        format!(
+            "         strait.dev/remote-svc-fq-name={}",
+            annotations
+                .get("strait.dev/remote-svc-fq-name")
+                .map(String::as_str)
+                .unwrap_or("?")
+        ),
+    ];
+    let slice_ports: Vec<String> = slice
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| p.port.map(|n| n.to_string()))
+        .collect();
+    for e in slice.endpoints.iter().flatten() {
+        lines.push(format!(
+            "EndpointSlice {MIRROR}: {}:{} ready={} (the west gateway; identity {})",
+            e.addresses.join(","),
+            slice_ports.join(","),
+            e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false),
+            slice
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("strait.dev/gateway-identity"))
+                .map(String::as_str)
+                .unwrap_or("?")
+        ));
+    }
+    if let Some(status) = link.and_then(|l| l.status) {
+        let conditions: Vec<String> = status
+            .conditions
+            .iter()
+            .map(|c| format!("{}={}", c.type_, c.status))
+            .collect();
+        lines.push(format!("Link west: {}", conditions.join(" ")));
+    }
+    lines
+}
+
+/// What a packet capture of the WAN shows about one request.
+struct WanEvidence {
+    udp: usize,
+    tcp: usize,
+    plaintext: Vec<&'static str>,
+}
+
+impl WanEvidence {
+    /// Words of the request (path, header, the tunnel header's service
+    /// name, SPIFFE IDs of certificates) that mTLS must hide.
+    const NEEDLES: [&'static str; 4] = ["/hello", "strait-client-id", "web.shop.svc", "spiffe://"];
+
+    fn read(bytes: Vec<u8>, pcap: &Path, gateway: Ipv4Addr) -> anyhow::Result<Self> {
+        let count = |proto: &str| -> anyhow::Result<usize> {
+            let out = Command::new("tcpdump")
+                .args(["-n", "-r"])
+                .arg(pcap)
+                .arg(format!("{proto} and host {gateway} and port 4143"))
+                .output()
+                .context("read the WAN capture with tcpdump")?;
+            ensure!(
+                out.status.success(),
+                "tcpdump -r {}: {}",
+                pcap.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+        };
+        Ok(Self {
+            udp: count("udp")?,
+            tcp: count("tcp")?,
+            plaintext: Self::NEEDLES
+                .into_iter()
+                .filter(|n| crate::wan::contains(&bytes, n.as_bytes()))
+                .collect(),
+        })
+    }
+}
+
+/// The counters the demo reads before and after requests.
+struct Snapshot {
+    east_outbound: f64,
+    gateway_quic_streams: f64,
+    gateway_quic_connections: f64,
+    /// The mirror controller's probes, which go through the tunnel too.
+    gateway_probes: f64,
+    west_inbound: Vec<(String, f64)>,
+}
+
+struct Delta {
+    east_outbound: f64,
+    gateway_quic_streams: f64,
+    west_inbound: f64,
+}
+
+impl Snapshot {
+    async fn take(
+        east: &MeshCluster,
+        west: &MeshCluster,
+        east_proxy: &str,
+    ) -> anyhow::Result<Self> {
+        let e = east.metrics(east_proxy).await?;
+        let g = west.metrics("strait-gateway-0").await?;
+        let mut west_inbound = Vec::new();
+        for node in west.topology().nodes() {
+            let name = format!("strait-proxy-{}", node.name());
+            let m = west.metrics(&name).await?;
+            west_inbound.push((
+                name,
+                metric_sum(
+                    &m,
+                    "request_total",
+                    &[
+                        "direction=\"inbound\"",
+                        &format!("src_namespace=\"{NAMESPACE}\""),
+                        &format!("src_workload=\"{CALLER_SA}\""),
+                    ],
+                ),
+            ));
+        }
+        Ok(Self {
+            east_outbound: metric_sum(
+                &e,
+                "request_total",
+                &[
+                    "direction=\"outbound\"",
+                    "dst_namespace=\"strait-system\"",
+                    "dst_workload=\"strait-gateway\"",
+                ],
+            ),
+            gateway_quic_streams: metric_sum(
+                &g,
+                "gateway_streams_total",
+                &[
+                    "transport=\"quic\"",
+                    &format!("src_namespace=\"{NAMESPACE}\""),
+                    &format!("src_workload=\"{CALLER_SA}\""),
+                    &format!("dst_service=\"{SERVICE}\""),
+                ],
+            ),
+            gateway_quic_connections: metric_sum(
+                &g,
+                "gateway_connections_total",
+                &["transport=\"quic\""],
+            ),
+            gateway_probes: metric_sum(&g, "gateway_probes_total", &[]),
+            west_inbound,
+        })
+    }
+
+    fn minus(&self, before: &Snapshot, west_proxy: &str) -> Delta {
+        let inbound = |s: &Snapshot| {
+            s.west_inbound
+                .iter()
+                .find(|(n, _)| n == west_proxy)
+                .map(|(_, v)| *v)
+                .unwrap_or(0.0)
+        };
+        Delta {
+            east_outbound: self.east_outbound - before.east_outbound,
+            gateway_quic_streams: self.gateway_quic_streams - before.gateway_quic_streams,
+            west_inbound: inbound(self) - inbound(before),
+        }
+    }
+
+    fn west_inbound_by_proxy(&self, before: &Snapshot) -> Vec<(String, f64)> {
+        self.west_inbound
+            .iter()
+            .zip(&before.west_inbound)
+            .map(|((name, after), (_, b))| (name.clone(), after - b))
+            .collect()
+    }
+}
