@@ -255,8 +255,11 @@ async fn main() {
         );
     }
     println!(
-        "errors by kind: QUIC {}, TCP {}",
-        quic_run["error_kinds"], tcp["error_kinds"]
+        "errors by kind: QUIC {}, TCP {}; answers with Connection: close: QUIC {}, TCP {}",
+        quic_run["error_kinds"],
+        tcp["error_kinds"],
+        quic_run["server_closes"],
+        tcp["server_closes"]
     );
     println!("(TCP connections accepted by the gateway during the fallback run: {tcp_conns})");
     for (side, mesh) in [("east", &east), ("west", &west)] {

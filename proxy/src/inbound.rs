@@ -293,6 +293,7 @@ async fn serve_http(
                 client_id.clone(),
             );
             async move {
+                crate::hop::strip(req.headers_mut());
                 req.headers_mut().insert(CLIENT_ID_HEADER, client_id);
                 metrics.request(&labels);
                 let started = std::time::Instant::now();
@@ -305,7 +306,20 @@ async fn serve_http(
                     result.as_ref().ok().map(|r| r.status()),
                     started.elapsed().as_secs_f64(),
                 );
-                result
+                result.map(|mut response| {
+                    // This tunnel's HTTP/1 connection is tied to one pod
+                    // connection: when the pod closes it, the tunnel closes too
+                    // (the sending proxy then opens a new one).
+                    let closing = crate::hop::says_close(response.headers());
+                    crate::hop::strip(response.headers_mut());
+                    if closing {
+                        response.headers_mut().insert(
+                            http::header::CONNECTION,
+                            http::HeaderValue::from_static("close"),
+                        );
+                    }
+                    response
+                })
             }
         });
     let io = TokioIo::new(tls);

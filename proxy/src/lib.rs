@@ -14,6 +14,7 @@
 
 pub mod balance;
 pub mod dns;
+pub mod hop;
 pub mod identity;
 pub mod inbound;
 pub mod metrics;

@@ -657,9 +657,7 @@ impl Outbound {
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
         let http2 = parts.version == http::Version::HTTP_2;
-        for hop in ["proxy-connection", "proxy-authorization"] {
-            parts.headers.remove(hop);
-        }
+        crate::hop::strip(&mut parts.headers);
         let path = parts
             .uri
             .path_and_query()
@@ -756,7 +754,10 @@ impl Outbound {
                 self.metrics.budget_exhausted(&labels);
             }
             return match result {
-                Ok(response) => response.map(|b| b.boxed()),
+                Ok(mut response) => {
+                    crate::hop::strip(response.headers_mut());
+                    response.map(|b| b.boxed())
+                }
                 Err(e) => text(
                     StatusCode::BAD_GATEWAY,
                     format!("to {}: {}", endpoint.addr, e.message),

@@ -53,9 +53,24 @@ pub const QUIC_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// UDP socket buffers asked of the kernel (it may cap them at net.core.*mem_max).
 pub const SOCKET_BUFFER: usize = 8 * 1024 * 1024;
 
+/// The congestion window a new connection starts with: a node proxy's
+/// connection to a gateway carries many streams at once from its first
+/// round trip, so the usual ten packets would queue them behind each other.
+pub const INITIAL_WINDOW: u64 = 64 * 1024;
+
 /// Transport settings for both sides.
+///
+/// Congestion control is BBR, not quinn's default Cubic: WAN links lose
+/// packets at random (1 % in the benchmark), and a loss-based controller
+/// reads every such loss as congestion and shrinks the window shared by all
+/// streams, so requests queue in the sender. BBR paces at the measured
+/// bandwidth and round trip instead (as Google's QUIC does). Measured in
+/// `scripts/bench-wan.sh`; see ARCHITECTURE.md.
 pub fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
+    let mut bbr = quinn::congestion::BbrConfig::default();
+    bbr.initial_window(INITIAL_WINDOW);
+    t.congestion_controller_factory(Arc::new(bbr));
     t.max_concurrent_bidi_streams(MAX_STREAMS_PER_CONNECTION.into())
         .max_concurrent_uni_streams(0u32.into())
         .stream_receive_window(STREAM_WINDOW.into())
