@@ -18,7 +18,10 @@ use kube::{Api, ResourceExt};
 use rustls::pki_types::UnixTime;
 use serde_json::{Value, json};
 use strait_mesh::identity::certs;
-use strait_mesh::link::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link};
+use strait_mesh::link::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link, SYSTEM_NAMESPACE,
+    TRUST_ANCHORS_CONFIGMAP,
+};
 
 use crate::identity::Format;
 use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};
@@ -76,8 +79,6 @@ const MANIFESTS: &[(&str, &str)] = &[
     ),
 ];
 
-const SYSTEM_NAMESPACE: &str = "strait-system";
-pub const TRUST_ANCHORS_CONFIGMAP: &str = "strait-trust-anchors";
 pub const ISSUER_SECRET: &str = "strait-identity-issuer";
 const ISSUER_CN_PREFIX: &str = "strait issuer ";
 

@@ -10,9 +10,8 @@
 #[allow(unused)]
 mod mesh;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -28,7 +27,7 @@ use strait_testenv::net::root_or_skip;
 use strait_testenv::process::{ChildProcess, log_tail};
 use strait_testenv::wait::eventually;
 use strait_testenv::workloads::ensure_namespace;
-use strait_testenv::{Cluster, kubeconfig, workspace_binary};
+use strait_testenv::{Cluster, kubeconfig, kubectl, workspace_binary};
 
 const WAIT: Duration = Duration::from_secs(60);
 const GATEWAY_ID: &str = "spiffe://cluster.local/ns/strait-system/sa/strait-gateway";
@@ -101,33 +100,6 @@ fn assert_all_pass(kc: &Path, what: &str) -> Vec<serde_json::Value> {
     let (ok, results) = check_json(kc, &["--wait", "90s"]);
     assert!(ok, "{what}: check fails: {:#?}", failing(&results));
     results
-}
-
-fn kubectl(kc: &Path, args: &[&str], stdin: Option<&str>) -> String {
-    let mut child = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kc)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the stock kubectl");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// What `strait install` puts in strait-system for the checks: the trust
@@ -514,10 +486,24 @@ async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
     set_west_anchor(anchor.cert_pem.clone()).await;
     assert_all_pass(&kc, "anchors restored");
 
-    // Fault 3: a dead gateway.
+    // Fault 3: a dead gateway. The real controller's probe (through the
+    // tunnel) marks the mirror's endpoints not ready, and ready again once
+    // the gateway is back.
+    assert_eq!(mirror_endpoints_ready(&ec).await, Some(true));
     drop(gw.take());
     let (message, all) = until_check_fails(&kc, "link west: gateway").await;
     assert!(message.starts_with("down"), "{message}");
+    eventually(
+        "the probe marks the mirror's endpoints not ready",
+        WAIT,
+        || async {
+            match mirror_endpoints_ready(&ec).await {
+                Some(false) => Ok(()),
+                other => Err(format!("endpoints ready: {other:?}")),
+            }
+        },
+    )
+    .await;
     eprintln!("dead gateway: {all:?}");
     let out = strait(&kc, &["gateways", "--context", "east"]);
     assert!(
@@ -528,6 +514,13 @@ async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
     gw = Some(mesh::spawn_gateway(&west, &gw_pod, &[]).await);
     let started = std::time::Instant::now();
     assert_all_pass(&kc, "gateway back");
+    eventually("the mirror's endpoints ready again", WAIT, || async {
+        match mirror_endpoints_ready(&ec).await {
+            Some(true) => Ok(()),
+            other => Err(format!("endpoints ready: {other:?}")),
+        }
+    })
+    .await;
     eprintln!(
         "gateway back: check passed again after {:?}",
         started.elapsed()
@@ -572,6 +565,24 @@ async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
 
 /// Prints the controller's log if the test panics.
 struct LogOnPanic(PathBuf);
+
+/// Whether every endpoint of the mirror `shop/web-west` is ready, as the
+/// mirror controller's gateway probe sets them (`None`: no endpoints yet).
+async fn mirror_endpoints_ready(client: &Client) -> Option<bool> {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), "shop")
+        .list(&kube::api::ListParams::default().labels("kubernetes.io/service-name=web-west"))
+        .await
+        .ok()?;
+    let ready: Vec<bool> = slices
+        .items
+        .iter()
+        .flat_map(|s| s.endpoints.iter().flatten())
+        .map(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false))
+        .collect();
+    (!ready.is_empty()).then(|| ready.iter().all(|r| *r))
+}
+
 fn scopeguard(path: PathBuf) -> LogOnPanic {
     LogOnPanic(path)
 }

@@ -5,9 +5,8 @@
 //! for real with the stock kubectl; `strait link` reads the gateway Service it
 //! made; uninstall refuses while a Link exists.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
@@ -231,22 +230,7 @@ fn make_identity(dir: &Path, cluster: &str) -> PathBuf {
 }
 
 fn kubectl(kc: &Path, args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kc)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the stock kubectl");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    strait_testenv::kubectl_output(kc, args, Some(stdin))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

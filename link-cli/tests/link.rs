@@ -1,8 +1,7 @@
 //! `strait link … | kubectl apply -f -` with the stock kubectl, on real clusters,
 //! and `strait unlink` taking everything away again.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Secret, Service, ServiceAccount};
@@ -12,36 +11,9 @@ use serde_json::json;
 use strait_mesh::link::Link;
 use strait_testenv::wait::{eventually, until_exists};
 use strait_testenv::workloads::ensure_namespace;
-use strait_testenv::{Cluster, kubeconfig};
+use strait_testenv::{Cluster, kubeconfig, kubectl};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-fn kubectl(kc: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
-    let mut child = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kc)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the stock kubectl");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// One kubeconfig with contexts east and west, and the committed Link CRD
 /// installed in east with the stock kubectl.

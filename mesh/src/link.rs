@@ -159,7 +159,9 @@ pub struct GatewayLatency {
 pub const GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS: u64 = 30;
 /// Name of the Lease the mirror controller renews in its namespace while it runs.
 pub const MIRROR_HEARTBEAT_LEASE: &str = "strait-mirror";
-/// The ConfigMap (key `ca.crt`) with a cluster's trust anchors, in `strait-system`.
+/// Namespace of Strait's own components (issuer, gateway, node proxies).
+pub const SYSTEM_NAMESPACE: &str = "strait-system";
+/// The ConfigMap (key `ca.crt`) with a cluster's trust anchors, in [`SYSTEM_NAMESPACE`].
 pub const TRUST_ANCHORS_CONFIGMAP: &str = "strait-trust-anchors";
 
 /// Why one remote Service is (not) mirrored.

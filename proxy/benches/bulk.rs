@@ -55,29 +55,6 @@ fn spawn(pod: &NetPod, mesh: &Mesh, name: &str, program: &str, args: &[String]) 
     .unwrap_or_else(|e| panic!("run {program} (scripts/bench-bulk.sh installs it): {e}"))
 }
 
-/// `iperf3 -c host -p port` in the client pod; received Gbit/s and retransmits.
-fn iperf(client: &NetPod, host: &str, port: u16, secs: u64) -> Result<(f64, u64), String> {
-    let out = client
-        .command("iperf3")
-        .args(["-c", host, "-p", &port.to_string(), "-t", &secs.to_string()])
-        .args(["-J", "--connect-timeout", "3000"])
-        .output()
-        .map_err(|e| format!("run iperf3: {e}"))?;
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| format!("iperf3 JSON: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    if let Some(error) = report["error"].as_str() {
-        return Err(error.to_string());
-    }
-    let end = &report["end"];
-    let bits = end["sum_received"]["bits_per_second"]
-        .as_f64()
-        .ok_or_else(|| format!("no sum_received in {end}"))?;
-    Ok((
-        bits / 1e9,
-        end["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
-    ))
-}
-
 fn measured(
     label: &'static str,
     proxies: &[u32],

@@ -36,6 +36,10 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// The iperf3 server's port in its west pod, and socat's in the client pod.
+const IPERF_PORT: u16 = 5201;
+const SHIM_PORT: u16 = 15201;
+
 const URL: &str = "http://web-west.shop.svc.cluster.local/bench";
 
 fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
@@ -190,6 +194,77 @@ async fn main() {
         tcp_setup.push(t.elapsed());
     }
 
+    // Bulk, unshaped: one iperf3 stream from east's client pod through CONNECT
+    // on its node proxy, over QUIC to the west gateway, to an iperf3 pod in
+    // west. (socat is the CONNECT shim in the client pod, as in bench-bulk.)
+    let iperf_pod = west
+        .topology
+        .add_pod(0, "shop", "iperf-1", |p| {
+            p.with_label("app", "iperf")
+                .with_service_account("web")
+                .with_port("iperf", IPERF_PORT)
+        })
+        .await
+        .unwrap();
+    let iperf_svc: k8s_openapi::api::core::v1::Service =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "iperf", "namespace": "shop"},
+            "spec": {"selector": {"app": "iperf"},
+                     "ports": [{"name": "echo", "port": 9000, "targetPort": "iperf"}]},
+        }))
+        .unwrap();
+    kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(west_api.clone(), "shop")
+        .create(&Default::default(), &iperf_svc)
+        .await
+        .unwrap();
+    export(&west_api, "iperf", true).await;
+    mirror_service(&east_api, "iperf", "west", IpAddr::V4(gw_pod.ip())).await;
+    let _iperf_server = iperf_pod
+        .spawn(
+            "iperf3-server",
+            std::path::Path::new("/usr/bin/iperf3"),
+            &[
+                "-s",
+                "-B",
+                &iperf_pod.ip().to_string(),
+                "-p",
+                &IPERF_PORT.to_string(),
+            ]
+            .map(String::from),
+            &[],
+            &west.dir.path().join("iperf3-server.log"),
+        )
+        .expect("iperf3 (scripts/bench-wan.sh installs it)");
+    let client_pod = &east.pods["client"].0;
+    let _shim = client_pod
+        .spawn(
+            "socat-connect",
+            std::path::Path::new("/usr/bin/socat"),
+            &[
+                "-b".to_string(),
+                "131072".to_string(),
+                format!("TCP-LISTEN:{SHIM_PORT},bind=127.0.0.1,fork,reuseaddr"),
+                format!(
+                    "PROXY:{}:iperf-west.shop.svc.cluster.local:9000,proxyport=4140,nodelay",
+                    client_pod.node().ip()
+                ),
+            ],
+            &[],
+            &east.dir.path().join("socat.log"),
+        )
+        .expect("socat (scripts/bench-wan.sh installs it)");
+    let bulk = |label: &'static str| {
+        let cpu = cpu_seconds(gw_pid);
+        let (gbits, _) = iperf(client_pod, "127.0.0.1", SHIM_PORT, secs)
+            .unwrap_or_else(|e| panic!("bulk over {label}: {e}"));
+        (label, gbits, cpu_seconds(gw_pid) - cpu)
+    };
+    eventually("iperf3 answers through the gateway", WAIT, || async {
+        iperf(client_pod, "127.0.0.1", SHIM_PORT, 1)
+    })
+    .await;
+    let mut bulk_runs = vec![bulk("QUIC")];
+
     // The shaped WAN: TCP fallback first (UDP blocked before the QUIC
     // connection is remade), then QUIC.
     wan.shape(delay, loss).unwrap();
@@ -214,6 +289,10 @@ async fn main() {
     let tcp_cpu = cpu_seconds(gw_pid) - cpu;
     let tcp_conns =
         gateway_metric(&gw_pod, "gateway_connections_total", &["transport=\"tcp\""]).await;
+    // Bulk over the fallback, unshaped (UDP still blocked).
+    wan.unshape().unwrap();
+    bulk_runs.push(bulk("TCP+TLS"));
+    wan.shape(delay, loss).unwrap();
     wan.unblock_udp().unwrap();
     eventually("back on QUIC", Duration::from_secs(60), || async {
         let before =
@@ -262,6 +341,17 @@ async fn main() {
         tcp["server_closes"]
     );
     println!("(TCP connections accepted by the gateway during the fallback run: {tcp_conns})");
+    println!("\nbulk, one TCP stream through CONNECT and the gateway, unshaped WAN, {secs} s");
+    println!(
+        "{:<22} {:>9} {:>9} {:>10}",
+        "transport", "Gbit/s", "GiB/s", "gw CPU s"
+    );
+    for (label, gbits, cpu) in &bulk_runs {
+        println!(
+            "{label:<22} {gbits:>9.2} {:>9.2} {cpu:>10.2}",
+            gbits * 1e9 / 8.0 / (1u64 << 30) as f64
+        );
+    }
     for (side, mesh) in [("east", &east), ("west", &west)] {
         // `STRAIT_BENCH_LOGS=DIR` keeps every component's log for a closer look.
         if let Ok(keep) = std::env::var("STRAIT_BENCH_LOGS") {

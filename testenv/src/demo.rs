@@ -18,6 +18,7 @@ use serde_json::json;
 
 mod evidence;
 
+use crate::process::wait_for_stop_signal;
 use crate::stack::{Binaries, MeshCluster};
 use crate::{ClusterConfig, ClusterTopology, Wan, kubeconfig, net};
 
@@ -649,17 +650,4 @@ async fn start_cluster(name: &str, index: usize) -> anyhow::Result<ClusterTopolo
     ClusterTopology::start_with(config, NODES)
         .await
         .with_context(|| format!("start cluster {name}"))
-}
-
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut hangup = signal(SignalKind::hangup())?;
-    tokio::select! {
-        _ = interrupt.recv() => {}
-        _ = terminate.recv() => {}
-        _ = hangup.recv() => {}
-    }
-    Ok(())
 }

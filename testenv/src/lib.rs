@@ -63,18 +63,46 @@ pub fn find_workspace_binary(name: &str) -> Result<std::path::PathBuf, String> {
     Ok(path)
 }
 
-/// `kubectl apply -f <file>` against `cluster` with the stock kubectl (what a
-/// user runs); panics with kubectl's error.
-pub fn kubectl_apply(cluster: &Cluster, file: &str) {
-    let out = std::process::Command::new("kubectl")
+/// Runs the stock kubectl (what a user runs) with `kubeconfig`, writing
+/// `stdin` to it; returns its output whatever its exit status.
+pub fn kubectl_output(
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> std::process::Output {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let mut child = std::process::Command::new("kubectl")
         .arg("--kubeconfig")
-        .arg(cluster.kubeconfig_path())
-        .args(["apply", "-f", file])
-        .output()
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run kubectl (it ships with machines of this kind)");
+    let mut pipe = child.stdin.take().expect("stdin is piped");
+    if let Some(input) = stdin {
+        pipe.write_all(input.as_bytes())
+            .expect("write kubectl's standard input");
+    }
+    drop(pipe);
+    child.wait_with_output().expect("wait for kubectl")
+}
+
+/// [`kubectl_output`] that panics with kubectl's error unless it succeeded;
+/// returns its standard output.
+pub fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl_output(kubeconfig, args, stdin);
     assert!(
         out.status.success(),
-        "kubectl apply -f {file}: {}",
+        "kubectl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `kubectl apply -f <file>` against `cluster`; panics with kubectl's error.
+pub fn kubectl_apply(cluster: &Cluster, file: &str) {
+    kubectl(&cluster.kubeconfig_path(), &["apply", "-f", file], None);
 }

@@ -364,16 +364,7 @@ impl MeshCluster {
         for node in &nodes {
             let name = format!("strait-proxy-{}", node.name());
             let ip = IpAddr::V4(node.ip());
-            let pod: Pod = serde_json::from_value(json!({
-                "metadata": {"name": name, "namespace": "strait-system", "labels": {
-                    "app.kubernetes.io/name": "strait-proxy", "app.kubernetes.io/part-of": "strait"}},
-                "spec": {"nodeName": node.name(), "serviceAccountName": "strait-proxy",
-                         "hostNetwork": true,
-                         "containers": [{"name": "proxy", "image": "strait-proxy", "ports": [
-                             {"name": "outbound", "containerPort": 4140, "hostPort": 4140},
-                             {"name": "inbound", "containerPort": 4143, "hostPort": 4143},
-                             {"name": "admin", "containerPort": 4191}]}]},
-            }))?;
+            let pod = node_proxy_pod(node.name());
             let pod = self.create_pod("strait-system", &pod).await?;
             set_pod_ready(&self.client(), "strait-system", &name, ip, Some(ip), false).await?;
             let dir = self.dir.join(&name);
@@ -685,10 +676,32 @@ fn env_refs<'a>(env: &'a [(&'static str, std::ffi::OsString)]) -> Vec<(&'static 
     env.iter().map(|(k, v)| (*k, v.as_os_str())).collect()
 }
 
+/// The Pod object of the node proxy on `node` as the DaemonSet (deploy/proxy)
+/// would make it: its labels and ports, `strait-proxy-<node>`. The process
+/// runs in the node's network namespace, so the Pod says `hostNetwork` (the
+/// DaemonSet's pods have their own IP on the node, with hostPorts: the same
+/// node either way).
+pub fn node_proxy_pod(node: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("strait-proxy-{node}"), "namespace": "strait-system", "labels": {
+            "app.kubernetes.io/name": "strait-proxy", "app.kubernetes.io/part-of": "strait"}},
+        "spec": {"nodeName": node, "serviceAccountName": "strait-proxy",
+                 "hostNetwork": true,
+                 "containers": [{"name": "proxy", "image": "strait-proxy", "ports": [
+                     {"name": "outbound", "containerPort": 4140, "hostPort": 4140},
+                     {"name": "inbound", "containerPort": 4143, "hostPort": 4143},
+                     {"name": "admin", "containerPort": 4191}]}]},
+    }))
+    .expect("a valid Pod")
+}
+
 /// Writes a file readable by its owner only (tokens, keys, kubeconfigs).
 pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)

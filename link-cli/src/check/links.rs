@@ -16,7 +16,7 @@ use strait_mesh::link::{Link, LinkSpec, LinkStatus, TRUST_ANCHORS_CONFIGMAP, sel
 
 use super::local::now;
 use super::pure::{Level, judge_token, jwt_times};
-use super::{CheckResult, SYSTEM_NAMESPACE};
+use super::{CheckResult, SYSTEM_NAMESPACE, fetch};
 use crate::link::LINK_NAMESPACE;
 
 /// What later checks (orphans) need of a Link.
@@ -171,28 +171,20 @@ async fn credentials(
 ) -> Option<Kubeconfig> {
     let cluster = &spec.target_cluster_name;
     let secret_name = &spec.cluster_credentials_secret;
-    let secret = match Api::<Secret>::namespaced(client.clone(), LINK_NAMESPACE)
-        .get_opt(secret_name)
-        .await
-    {
-        Ok(Some(s)) => s,
-        Ok(None) => {
-            out.push(CheckResult::fail(
-                check,
-                format!("the credentials Secret {LINK_NAMESPACE}/{secret_name} does not exist"),
-                relink_hint(cluster),
-            ));
-            return None;
-        }
-        Err(e) => {
-            out.push(CheckResult::fail(
-                check,
-                format!("cannot read {LINK_NAMESPACE}/{secret_name}: {e}"),
-                "run check as someone who may read Secrets in strait-multicluster",
-            ));
-            return None;
-        }
-    };
+    let missing = CheckResult::fail(
+        check,
+        format!("the credentials Secret {LINK_NAMESPACE}/{secret_name} does not exist"),
+        relink_hint(cluster),
+    );
+    let secret = fetch(
+        &Api::<Secret>::namespaced(client.clone(), LINK_NAMESPACE),
+        secret_name,
+        &format!("{LINK_NAMESPACE}/{secret_name}"),
+        missing,
+        "run check as someone who may read Secrets in strait-multicluster",
+        out,
+    )
+    .await?;
     let text = secret
         .data
         .unwrap_or_default()

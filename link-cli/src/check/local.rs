@@ -17,7 +17,7 @@ use strait_mesh::link::{
 
 use super::links::LinkInfo;
 use super::pure::{self, Level, judge_validity};
-use super::{CheckResult, SYSTEM_NAMESPACE};
+use super::{CheckResult, SYSTEM_NAMESPACE, fetch};
 use crate::link::LINK_NAMESPACE;
 
 const CRD_NAME: &str = "links.multicluster.strait.dev";
@@ -35,27 +35,18 @@ pub fn now() -> i64 {
 pub async fn crd(client: &Client, out: &mut Vec<CheckResult>) -> bool {
     const CHECK: &str = "Link CRD";
     let hint = "install it: kubectl apply -f deploy/mirror/crd.yaml (or `strait-mirror crd | kubectl apply -f -`)";
-    let crd = match Api::<CustomResourceDefinition>::all(client.clone())
-        .get_opt(CRD_NAME)
-        .await
-    {
-        Ok(Some(crd)) => crd,
-        Ok(None) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("{CRD_NAME} is not installed"),
-                hint,
-            ));
-            return false;
-        }
-        Err(e) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("cannot read CRD {CRD_NAME}: {e}"),
-                "check --context and that you may read customresourcedefinitions",
-            ));
-            return false;
-        }
+    let missing = CheckResult::fail(CHECK, format!("{CRD_NAME} is not installed"), hint);
+    let Some(crd) = fetch(
+        &Api::<CustomResourceDefinition>::all(client.clone()),
+        CRD_NAME,
+        &format!("CRD {CRD_NAME}"),
+        missing,
+        "check --context and that you may read customresourcedefinitions",
+        out,
+    )
+    .await
+    else {
+        return false;
     };
     let served: Vec<String> = crd
         .spec
@@ -99,28 +90,17 @@ pub async fn crd(client: &Client, out: &mut Vec<CheckResult>) -> bool {
 pub async fn trust_anchors(client: &Client, out: &mut Vec<CheckResult>) -> Option<Vec<Vec<u8>>> {
     const CHECK: &str = "trust anchors";
     let hint = "create it from the anchor certificate: kubectl -n strait-system create configmap strait-trust-anchors --from-file=ca.crt=anchor/ca.crt (strait install does this)";
-    let cm = match Api::<ConfigMap>::namespaced(client.clone(), SYSTEM_NAMESPACE)
-        .get_opt(TRUST_ANCHORS_CONFIGMAP)
-        .await
-    {
-        Ok(Some(cm)) => cm,
-        Ok(None) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("no ConfigMap {SYSTEM_NAMESPACE}/{TRUST_ANCHORS_CONFIGMAP}"),
-                hint,
-            ));
-            return None;
-        }
-        Err(e) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("cannot read {SYSTEM_NAMESPACE}/{TRUST_ANCHORS_CONFIGMAP}: {e}"),
-                hint,
-            ));
-            return None;
-        }
-    };
+    let what = format!("{SYSTEM_NAMESPACE}/{TRUST_ANCHORS_CONFIGMAP}");
+    let missing = CheckResult::fail(CHECK, format!("no ConfigMap {what}"), hint);
+    let cm = fetch(
+        &Api::<ConfigMap>::namespaced(client.clone(), SYSTEM_NAMESPACE),
+        TRUST_ANCHORS_CONFIGMAP,
+        &what,
+        missing,
+        hint,
+        out,
+    )
+    .await?;
     let pem = cm
         .data
         .unwrap_or_default()
@@ -195,27 +175,18 @@ pub async fn issuer(client: &Client, anchors: Option<&[Vec<u8>]>, out: &mut Vec<
     const CHECK: &str = "issuer certificate";
     let name = "strait-identity-issuer";
     let hint = "issue one: strait identity issuer --anchor-cert anchor/ca.crt --anchor-key anchor/ca.key --cluster NAME -o yaml | kubectl apply -f -";
-    let secret = match Api::<Secret>::namespaced(client.clone(), SYSTEM_NAMESPACE)
-        .get_opt(name)
-        .await
-    {
-        Ok(Some(s)) => s,
-        Ok(None) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("no Secret {SYSTEM_NAMESPACE}/{name}"),
-                hint,
-            ));
-            return;
-        }
-        Err(e) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("cannot read {SYSTEM_NAMESPACE}/{name}: {e}"),
-                "run check as someone who may read that Secret",
-            ));
-            return;
-        }
+    let missing = CheckResult::fail(CHECK, format!("no Secret {SYSTEM_NAMESPACE}/{name}"), hint);
+    let Some(secret) = fetch(
+        &Api::<Secret>::namespaced(client.clone(), SYSTEM_NAMESPACE),
+        name,
+        &format!("{SYSTEM_NAMESPACE}/{name}"),
+        missing,
+        "run check as someone who may read that Secret",
+        out,
+    )
+    .await
+    else {
+        return;
     };
     let pem = secret
         .data
@@ -353,28 +324,30 @@ pub async fn node_proxies(client: &Client, out: &mut Vec<CheckResult>) {
 pub async fn mirror_controller(client: &Client, links_exist: bool, out: &mut Vec<CheckResult>) {
     const CHECK: &str = "mirror controller";
     let hint = "start it: kubectl apply -f deploy/mirror/ and look at its logs (kubectl -n strait-multicluster logs deploy/strait-mirror)";
-    let lease = Api::<Lease>::namespaced(client.clone(), LINK_NAMESPACE)
-        .get_opt(MIRROR_HEARTBEAT_LEASE)
-        .await;
     let level_if_down = if links_exist {
         Level::Fail
     } else {
         Level::Warning
     };
-    let lease = match lease {
-        Ok(Some(l)) => l,
-        Ok(None) => {
-            out.push(CheckResult::at(level_if_down, CHECK, format!("no heartbeat: Lease {LINK_NAMESPACE}/{MIRROR_HEARTBEAT_LEASE} does not exist, so strait-mirror has never run here"), hint));
-            return;
-        }
-        Err(e) => {
-            out.push(CheckResult::fail(
-                CHECK,
-                format!("cannot read Lease {LINK_NAMESPACE}/{MIRROR_HEARTBEAT_LEASE}: {e}"),
-                "run check as someone who may read leases there",
-            ));
-            return;
-        }
+    let missing = CheckResult::at(
+        level_if_down,
+        CHECK,
+        format!(
+            "no heartbeat: Lease {LINK_NAMESPACE}/{MIRROR_HEARTBEAT_LEASE} does not exist, so strait-mirror has never run here"
+        ),
+        hint,
+    );
+    let Some(lease) = fetch(
+        &Api::<Lease>::namespaced(client.clone(), LINK_NAMESPACE),
+        MIRROR_HEARTBEAT_LEASE,
+        &format!("Lease {LINK_NAMESPACE}/{MIRROR_HEARTBEAT_LEASE}"),
+        missing,
+        "run check as someone who may read leases there",
+        out,
+    )
+    .await
+    else {
+        return;
     };
     let spec = lease.spec.unwrap_or_default();
     let holder = spec.holder_identity.unwrap_or_else(|| "(unknown)".into());

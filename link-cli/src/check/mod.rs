@@ -18,8 +18,7 @@ use serde::Serialize;
 use crate::link::{client_for, load_kubeconfig};
 use pure::Level;
 
-/// Namespace of the node proxies, the issuer and the trust anchors.
-pub const SYSTEM_NAMESPACE: &str = "strait-system";
+pub use strait_mesh::link::SYSTEM_NAMESPACE;
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
@@ -41,6 +40,38 @@ pub struct CheckArgs {
 pub enum Output {
     Text,
     Json,
+}
+
+/// Reads the object `name` for a check. When it does not exist, `missing`
+/// is reported; when it cannot be read, a failure naming `what` (e.g.
+/// "Secret ns/name") with `unreadable_hint`. Either way `None` comes back
+/// and the caller's check stops there.
+pub(crate) async fn fetch<K>(
+    api: &kube::Api<K>,
+    name: &str,
+    what: &str,
+    missing: CheckResult,
+    unreadable_hint: &str,
+    out: &mut Vec<CheckResult>,
+) -> Option<K>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_opt(name).await {
+        Ok(Some(object)) => Some(object),
+        Ok(None) => {
+            out.push(missing);
+            None
+        }
+        Err(e) => {
+            out.push(CheckResult::fail(
+                missing.check,
+                format!("cannot read {what}: {e}"),
+                unreadable_hint,
+            ));
+            None
+        }
+    }
 }
 
 /// One line of the report.

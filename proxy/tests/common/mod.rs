@@ -65,17 +65,7 @@ impl Drop for Mesh {
 pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
     let client = mesh.topology.cluster().client();
     let name = format!("strait-proxy-{}", node.name());
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "strait-system", "labels": {
-            "app.kubernetes.io/name": "strait-proxy", "app.kubernetes.io/part-of": "strait"}},
-        "spec": {"nodeName": node.name(), "serviceAccountName": "strait-proxy",
-                 "hostNetwork": true,
-                 "containers": [{"name": "proxy", "image": "strait-proxy", "ports": [
-                     {"name": "outbound", "containerPort": 4140, "hostPort": 4140},
-                     {"name": "inbound", "containerPort": 4143, "hostPort": 4143},
-                     {"name": "admin", "containerPort": 4191}]}]},
-    }))
-    .unwrap();
+    let pod = strait_testenv::stack::node_proxy_pod(node.name());
     let pod = Api::<Pod>::namespaced(client.clone(), "strait-system")
         .create(&PostParams::default(), &pod)
         .await
@@ -553,4 +543,27 @@ pub async fn export(client: &Client, service: &str, exported: bool) {
         )
         .await
         .unwrap();
+}
+
+/// `iperf3 -c host -p port` in the client pod; received Gbit/s and retransmits.
+pub fn iperf(client: &NetPod, host: &str, port: u16, secs: u64) -> Result<(f64, u64), String> {
+    let out = client
+        .command("iperf3")
+        .args(["-c", host, "-p", &port.to_string(), "-t", &secs.to_string()])
+        .args(["-J", "--connect-timeout", "3000"])
+        .output()
+        .map_err(|e| format!("run iperf3: {e}"))?;
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("iperf3 JSON: {e}: {}", String::from_utf8_lossy(&out.stderr)))?;
+    if let Some(error) = report["error"].as_str() {
+        return Err(error.to_string());
+    }
+    let end = &report["end"];
+    let bits = end["sum_received"]["bits_per_second"]
+        .as_f64()
+        .ok_or_else(|| format!("no sum_received in {end}"))?;
+    Ok((
+        bits / 1e9,
+        end["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
+    ))
 }

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
+use strait_testenv::process::wait_for_stop_signal;
+use strait_testenv::stack::write_private;
 use strait_testenv::{
     Cluster, ClusterConfig, ClusterTopology, controlplane, kubeconfig, net, process,
 };
@@ -240,37 +242,6 @@ impl Running {
             Running::WithNodes(t) => t.cluster(),
         }
     }
-}
-
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut hangup = signal(SignalKind::hangup())?;
-    tokio::select! {
-        _ = interrupt.recv() => {}
-        _ = terminate.recv() => {}
-        _ = hangup.recv() => {}
-    }
-    Ok(())
-}
-
-fn write_private(path: &std::path::Path, contents: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    // The kubeconfig holds an admin key: readable by its owner only.
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("write {}", path.display()))?;
-    file.write_all(contents.as_bytes())?;
-    Ok(())
 }
 
 fn down(state_dir: &std::path::Path) -> anyhow::Result<()> {
