@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cross-cluster benchmark: QUIC vs the TCP + TLS fallback across a shaped WAN (root).
-#   bash scripts/bench-wan.sh    (STRAIT_BENCH_RATE=200 STRAIT_BENCH_SECS=10 STRAIT_BENCH_DELAY_MS=25 STRAIT_BENCH_LOSS=1)
+#   bash scripts/bench-wan.sh    (STRAIT_BENCH_RATES=200,1000,1800 STRAIT_BENCH_SECS=10 STRAIT_BENCH_DELAY_MS=25 STRAIT_BENCH_LOSS=1)
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bootstrap
 build_control_plane

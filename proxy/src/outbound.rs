@@ -758,10 +758,13 @@ impl Outbound {
                     crate::hop::strip(response.headers_mut());
                     response.map(|b| b.boxed())
                 }
-                Err(e) => text(
-                    StatusCode::BAD_GATEWAY,
-                    format!("to {}: {}", endpoint.addr, e.message),
-                ),
+                Err(e) => {
+                    tracing::info!(endpoint = %endpoint.addr, attempt, error = %e.message, "request failed: 502");
+                    text(
+                        StatusCode::BAD_GATEWAY,
+                        format!("to {}: {}", endpoint.addr, e.message),
+                    )
+                }
             };
         }
     }

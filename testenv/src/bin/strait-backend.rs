@@ -129,6 +129,9 @@ async fn serve_http(
     }
 }
 
+/// The largest request body the backend reads (it answers 400 beyond).
+const MAX_BODY: usize = 1 << 20;
+
 async fn answer(
     req: Request<hyper::body::Incoming>,
     name: Arc<str>,
@@ -148,13 +151,36 @@ async fn answer(
             )
         })
         .collect();
+    let (method, path, version) = (
+        req.method().to_string(),
+        req.uri().path().to_string(),
+        format!("{:?}", req.version()),
+    );
+    // The request body is read before answering, as an application does: a
+    // server that answers first and then closes with the body unread makes
+    // its kernel reset the connection, which can destroy the answer in flight.
+    use http_body_util::BodyExt as _;
+    let body_bytes = match http_body_util::Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes().len(),
+        Err(e) => {
+            let response = Response::builder()
+                .status(hyper::StatusCode::BAD_REQUEST)
+                .body(Full::new(Bytes::from(format!("request body: {e}\n"))))
+                .expect("static response parts are valid");
+            return Ok(response);
+        }
+    };
     let body = serde_json::json!({
         "pod": &*name,
-        "method": req.method().as_str(),
-        "path": req.uri().path(),
-        "version": format!("{:?}", req.version()),
+        "method": method,
+        "path": path,
+        "version": version,
         "peer": peer.to_string(),
         "headers": headers,
+        "body_bytes": body_bytes,
     });
     let response = Response::builder()
         .status(behaviour.status)
