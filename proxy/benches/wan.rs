@@ -23,7 +23,6 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::ca::{self, LeafSigner};
 use strait_mesh::identity::tls::{self, TrustBundle};
 use strait_mesh::tunnel::quic;
-use strait_proxy::transparent::{EnrollRequest, enroll};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::process::cpu_seconds;
 use strait_testenv::wait::eventually;
@@ -266,28 +265,7 @@ async fn main() {
         .expect("socat (scripts/bench-wan.sh installs it)");
     // The same from a transparent-mode pod: iperf3 calls the mirror by name,
     // its node proxy catches the connection (no shim in the path).
-    let app = east
-        .topology
-        .add_pod(0, "shop", "bulk", |p| {
-            p.with_service_account("client")
-                .with_annotation("strait.dev/transparent", "enabled")
-        })
-        .await
-        .unwrap();
-    let socket = enroll_socket(&east, app.node());
-    let netns = std::path::PathBuf::from(format!("/proc/{}/ns/net", app.anchor_pid()));
-    eventually("the bulk pod is enrolled", WAIT, || async {
-        let request = EnrollRequest::Add {
-            namespace: "shop".into(),
-            name: "bulk".into(),
-            netns: netns.clone(),
-        };
-        match enroll(&socket, &request).await {
-            Ok(true) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    let app = add_transparent_pod(&east, 0, "shop", "bulk", "client").await;
     // CPU of the three Strait processes on the path: east's node proxy (the
     // client pods are on node 0), the gateway, west's node proxy on node 0.
     let path_pids = [

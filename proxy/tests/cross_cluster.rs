@@ -8,12 +8,11 @@
 //! needs root.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
 use strait_mesh::identity::ca;
-use strait_proxy::transparent::{EnrollRequest, enroll};
 use strait_testenv::NetPod;
 use strait_testenv::issuer::http_get;
 use strait_testenv::net::root_or_skip;
@@ -168,28 +167,7 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     );
 
     // HTTP/2 with prior knowledge from a transparent-mode pod (no proxy settings).
-    let app = east
-        .topology
-        .add_pod(0, "shop", "app", |p| {
-            p.with_service_account("client")
-                .with_annotation("strait.dev/transparent", "enabled")
-        })
-        .await
-        .unwrap();
-    let socket = enroll_socket(&east, app.node());
-    let netns = PathBuf::from(format!("/proc/{}/ns/net", app.anchor_pid()));
-    eventually("the app pod is enrolled", WAIT, || async {
-        let request = EnrollRequest::Add {
-            namespace: "shop".into(),
-            name: "app".into(),
-            netns: netns.clone(),
-        };
-        match enroll(&socket, &request).await {
-            Ok(true) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    let app = add_transparent_pod(&east, 0, "shop", "app", "client").await;
     let h2 = eventually("h2c to the mirror by name", WAIT, || async {
         let out = app
             .command("curl")

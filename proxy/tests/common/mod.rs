@@ -159,6 +159,43 @@ pub fn enroll_socket(mesh: &Mesh, node: &NetNode) -> std::path::PathBuf {
     mesh.dir.path().join(node.name()).join("enroll.sock")
 }
 
+/// A pod on `node` (index) in `namespace`, running as ServiceAccount `sa`,
+/// annotated `strait.dev/transparent: enabled` and enrolled with its node's
+/// proxy as the CNI plugin would (retried until the proxy's discovery has
+/// seen the pod and it is captured).
+pub async fn add_transparent_pod(
+    mesh: &Mesh,
+    node: usize,
+    namespace: &str,
+    name: &str,
+    sa: &str,
+) -> NetPod {
+    use strait_proxy::transparent::{EnrollRequest, enroll};
+    let pod = mesh
+        .topology
+        .add_pod(node, namespace, name, |p| {
+            p.with_service_account(sa)
+                .with_annotation("strait.dev/transparent", "enabled")
+        })
+        .await
+        .unwrap();
+    let socket = enroll_socket(mesh, pod.node());
+    let netns = std::path::PathBuf::from(format!("/proc/{}/ns/net", pod.anchor_pid()));
+    eventually(&format!("{namespace}/{name} is enrolled"), WAIT, || async {
+        let request = EnrollRequest::Add {
+            namespace: namespace.into(),
+            name: name.into(),
+            netns: netns.clone(),
+        };
+        match enroll(&socket, &request).await {
+            Ok(true) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    pod
+}
+
 /// Marks the proxy Pod on `node` Ready (its `/ready` answered 200), so the
 /// `strait-proxy` Service's EndpointSlice lists it.
 pub async fn mark_proxy_ready(mesh: &Mesh, node: &NetNode, ready: bool) {
