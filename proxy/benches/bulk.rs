@@ -19,17 +19,12 @@ use std::net::Ipv4Addr;
 use std::path::Path;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Service;
-use kube::Api;
-use kube::api::PostParams;
-use serde_json::json;
 use strait_testenv::NetPod;
 use strait_testenv::process::{ChildProcess, cpu_seconds};
 use strait_testenv::wait::eventually;
 
 use common::*;
 
-const IPERF_PORT: u16 = 5201;
 /// Where socat listens in the client pod (loopback) and the loopback server.
 const SHIM_PORT: u16 = 15201;
 const LOOPBACK_PORT: u16 = 5202;
@@ -106,41 +101,10 @@ async fn main() {
         .unwrap();
     let mut mesh = start_mesh(2, Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await;
     add_client(&mut mesh, 0).await;
-    let server = mesh
-        .topology
-        .add_pod(1, "shop", "iperf-1", |p| {
-            p.with_label("app", "iperf")
-                .with_service_account("web")
-                .with_port("iperf", IPERF_PORT)
-        })
-        .await
-        .unwrap();
-    let svc: Service = serde_json::from_value(json!({
-        "metadata": {"name": "iperf", "namespace": "shop"},
-        "spec": {"selector": {"app": "iperf"},
-                 "ports": [{"name": "iperf", "port": IPERF_PORT, "targetPort": "iperf"}]},
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(mesh.topology.cluster().client(), "shop")
-        .create(&PostParams::default(), &svc)
-        .await
-        .unwrap();
+    let (server, _iperf_server) = iperf_server(&mesh, 1, ("iperf", IPERF_PORT)).await;
     let server_ip: Ipv4Addr = server.ip();
     let client = pod(&mesh, "client");
     let node_ip = client.node().ip();
-    let _iperf_server = spawn(
-        &server,
-        &mesh,
-        "iperf3-server",
-        "/usr/bin/iperf3",
-        &[
-            "-s".into(),
-            "-B".into(),
-            server_ip.to_string(),
-            "-p".into(),
-            IPERF_PORT.to_string(),
-        ],
-    );
     let _loopback_server = spawn(
         client,
         &mesh,

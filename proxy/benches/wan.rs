@@ -38,8 +38,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-/// The iperf3 server's port in its west pod, and socat's in the client pod.
-const IPERF_PORT: u16 = 5201;
+/// socat's port in the client pod.
 const SHIM_PORT: u16 = 15201;
 
 const URL: &str = "http://web-west.shop.svc.cluster.local/bench";
@@ -207,44 +206,9 @@ async fn main() {
     // Bulk, unshaped: one iperf3 stream from east's client pod through CONNECT
     // on its node proxy, over QUIC to the west gateway, to an iperf3 pod in
     // west. (socat is the CONNECT shim in the client pod, as in bench-bulk.)
-    let iperf_pod = west
-        .topology
-        .add_pod(0, "shop", "iperf-1", |p| {
-            p.with_label("app", "iperf")
-                .with_service_account("web")
-                .with_port("iperf", IPERF_PORT)
-        })
-        .await
-        .unwrap();
-    let iperf_svc: k8s_openapi::api::core::v1::Service =
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "iperf", "namespace": "shop"},
-            "spec": {"selector": {"app": "iperf"},
-                     "ports": [{"name": "echo", "port": 9000, "targetPort": "iperf"}]},
-        }))
-        .unwrap();
-    kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(west_api.clone(), "shop")
-        .create(&Default::default(), &iperf_svc)
-        .await
-        .unwrap();
+    let (_iperf_pod, _iperf_server) = iperf_server(&west, 0, ("echo", 9000)).await;
     export(&west_api, "iperf", true).await;
     mirror_service(&east_api, "iperf", "west", IpAddr::V4(gw_pod.ip())).await;
-    let _iperf_server = iperf_pod
-        .spawn(
-            "iperf3-server",
-            std::path::Path::new("/usr/bin/iperf3"),
-            &[
-                "-s",
-                "-B",
-                &iperf_pod.ip().to_string(),
-                "-p",
-                &IPERF_PORT.to_string(),
-            ]
-            .map(String::from),
-            &[],
-            &west.dir.path().join("iperf3-server.log"),
-        )
-        .expect("iperf3 (scripts/bench-wan.sh installs it)");
     let client_pod = &east.pods["client"].0;
     let _shim = client_pod
         .spawn(

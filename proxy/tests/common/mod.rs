@@ -582,6 +582,58 @@ pub async fn export(client: &Client, service: &str, exported: bool) {
         .unwrap();
 }
 
+/// The port iperf3 serves on in its pod (named `iperf`).
+pub const IPERF_PORT: u16 = 5201;
+
+/// An iperf3 server for bulk measurements: pod `shop/iperf-1` on `node`
+/// (label `app=iperf`, port `iperf` = [`IPERF_PORT`]), Service `shop/iperf`
+/// with `service_port` (name, port) → `iperf`, and `iperf3 -s` running in
+/// the pod.
+pub async fn iperf_server(
+    mesh: &Mesh,
+    node: usize,
+    service_port: (&str, u16),
+) -> (NetPod, ChildProcess) {
+    let pod = mesh
+        .topology
+        .add_pod(node, "shop", "iperf-1", |p| {
+            p.with_label("app", "iperf")
+                .with_service_account("web")
+                .with_port("iperf", IPERF_PORT)
+        })
+        .await
+        .unwrap();
+    let (port_name, port) = service_port;
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "iperf", "namespace": "shop"},
+        "spec": {"selector": {"app": "iperf"},
+                 "ports": [{"name": port_name, "port": port, "targetPort": "iperf"}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(mesh.topology.cluster().client(), "shop")
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let args = [
+        "-s",
+        "-B",
+        &pod.ip().to_string(),
+        "-p",
+        &IPERF_PORT.to_string(),
+    ]
+    .map(String::from);
+    let server = pod
+        .spawn(
+            "iperf3-server",
+            Path::new("/usr/bin/iperf3"),
+            &args,
+            &[],
+            &mesh.dir.path().join("iperf3-server.log"),
+        )
+        .unwrap_or_else(|e| panic!("run iperf3 (the bench scripts install it): {e}"));
+    (pod, server)
+}
+
 /// `iperf3 -c host -p port` in the client pod; received Gbit/s and retransmits.
 pub fn iperf(client: &NetPod, host: &str, port: u16, secs: u64) -> Result<(f64, u64), String> {
     let out = client
