@@ -11,7 +11,7 @@ die() { printf '\033[31m[strait] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 # Debian packages the tests and the demo use. testenv installs what it needs
 # itself, so a fresh machine (or CI's clean clone) needs no manual step.
-APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat shellcheck)
+APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat proxychains4 shellcheck)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"

@@ -366,7 +366,7 @@ impl Gateway {
                 let caller = header.source.clone().unwrap_or_else(|| peer.clone());
                 let revoked = self.revoked(&caller, &header);
                 tokio::select! {
-                    copied = tokio::io::copy_bidirectional(&mut stream, &mut tunnel) => {
+                    copied = strait_mesh::io::splice(&mut stream, &mut tunnel) => {
                         let (up, down) = copied.unwrap_or((0, 0));
                         self.metrics
                             .stream_bytes

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod detect;
 pub mod discovery;
 pub mod identity;
+pub mod io;
 pub mod link;
 pub mod telemetry;
 pub mod tunnel;

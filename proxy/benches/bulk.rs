@@ -4,11 +4,12 @@
 //! through CONNECT on the node proxy pair (mTLS between the nodes): client pod
 //! on node 1 → socat (`PROXY:` = CONNECT) → strait-proxy → strait-proxy on
 //! node 2 → iperf3 server pod. Both of iperf3's connections, control and data,
-//! go through CONNECT. Reports Gbit/s and the proxies' CPU seconds.
+//! go through CONNECT. The same again with iperf3 speaking CONNECT itself
+//! (proxychains), no shim in the path. Reports Gbit/s and the proxies' CPU seconds.
 //!
 //!     bash scripts/bench-bulk.sh
 //!
-//! (installs iperf3 and socat, builds the release binaries, then runs
+//! (installs iperf3, socat and proxychains4, builds the release binaries, then runs
 //! `cargo bench -p strait-proxy --bench bulk` with `STRAIT_PROXY_LOG=warn`;
 //! `STRAIT_BENCH_SECS=10`.)
 
@@ -173,6 +174,35 @@ async fn main() {
             &proxy_pids,
             shim.pid(),
             || iperf(client, "127.0.0.1", SHIM_PORT, secs),
+        ));
+    }
+    {
+        // iperf3 itself speaks CONNECT (proxychains hooks its connect()), so
+        // no shim process sits in the path: what the proxy pair alone costs.
+        let conf = mesh.dir.path().join("proxychains.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "strict_chain\nquiet_mode\nproxy_dns\nremote_dns_subnet 224\n\
+                 tcp_read_time_out 15000\ntcp_connect_time_out 8000\n\
+                 [ProxyList]\nhttp {node_ip} 4140\n"
+            ),
+        )
+        .unwrap();
+        let iperf_connect = |secs| {
+            let mut command = client.command("/usr/bin/proxychains4");
+            command.arg("-q").arg("-f").arg(&conf).arg("iperf3");
+            iperf_with(command, "iperf.shop.svc.cluster.local", IPERF_PORT, secs)
+        };
+        eventually("iperf3 answers through proxychains", WAIT, || async {
+            iperf_connect(1)
+        })
+        .await;
+        runs.push(measured(
+            "iperf3 CONNECT → proxy pair",
+            &proxy_pids,
+            None,
+            || iperf_connect(secs),
         ));
     }
 

@@ -126,9 +126,11 @@ async fn main() {
     }
     // Rates: 200 rps keeps ~10 requests in flight across a 50 ms RTT; 1 800
     // keeps ~100 (the "100 concurrent streams" of the goal) when nothing queues.
+    // An empty list skips the shaped runs (bulk and set-up only).
     let rates: Vec<u32> = std::env::var("STRAIT_BENCH_RATES")
         .unwrap_or_else(|_| "200,1000,1800".into())
         .split(',')
+        .filter(|r| !r.trim().is_empty())
         .map(|r| {
             r.trim()
                 .parse()
@@ -237,6 +239,7 @@ async fn main() {
         gw_pid,
         west.proxies[0].pid().unwrap(),
     ];
+    println!("pids on the bulk path (east proxy, gateway, west proxy): {path_pids:?}");
     let path_cpu = || path_pids.map(cpu_seconds);
     const MIRROR: &str = "iperf-west.shop.svc.cluster.local";
     let bulk = |label: &'static str, transparent: bool| {

@@ -233,7 +233,7 @@ impl Inbound {
             }
             Protocol::Opaque => {
                 let mut upstream = upstream;
-                let result = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
+                let result = strait_mesh::io::splice(&mut tls, &mut upstream).await;
                 let (from_client, to_client) = result.unwrap_or((0, 0));
                 self.metrics.tcp_close(&labels, from_client, to_client);
                 Ok(())

@@ -917,7 +917,7 @@ where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     metrics.tcp_open(labels);
-    let (read, written) = tokio::io::copy_bidirectional(&mut client, &mut tunnel)
+    let (read, written) = strait_mesh::io::splice(&mut client, &mut tunnel)
         .await
         .unwrap_or((0, 0));
     metrics.tcp_close(labels, read, written);
@@ -929,7 +929,7 @@ async fn passthrough(mut stream: TcpStream, original: SocketAddr) {
     match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(original)).await {
         Ok(Ok(mut upstream)) => {
             let _ = upstream.set_nodelay(true);
-            let _ = tokio::io::copy_bidirectional(&mut stream, &mut upstream).await;
+            let _ = strait_mesh::io::splice(&mut stream, &mut upstream).await;
         }
         Ok(Err(e)) => tracing::debug!(%original, "passthrough: {e}"),
         Err(_) => tracing::debug!(%original, "passthrough: connect timed out"),

@@ -329,7 +329,16 @@ async fn idle_connections(pid: u32, addr: SocketAddr, n: usize) -> Vec<TcpStream
             if open >= before + n {
                 Ok(())
             } else {
-                Err(format!("{} of {n}", open.saturating_sub(before)))
+                // What the proxy is doing, should it never accept them.
+                let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .ok()
+                    .and_then(|s| {
+                        Some(s.rsplit_once(')')?.1.split_whitespace().next()?.to_string())
+                    });
+                Err(format!(
+                    "{} of {n} (open fds {open}, before {before}, process state {state:?})",
+                    open.saturating_sub(before)
+                ))
             }
         },
     )

@@ -636,8 +636,17 @@ pub async fn iperf_server(
 
 /// `iperf3 -c host -p port` in the client pod; received Gbit/s and retransmits.
 pub fn iperf(client: &NetPod, host: &str, port: u16, secs: u64) -> Result<(f64, u64), String> {
-    let out = client
-        .command("iperf3")
+    iperf_with(client.command("iperf3"), host, port, secs)
+}
+
+/// [`iperf`] with `iperf3` started by `command` (e.g. under proxychains).
+pub fn iperf_with(
+    mut command: std::process::Command,
+    host: &str,
+    port: u16,
+    secs: u64,
+) -> Result<(f64, u64), String> {
+    let out = command
         .args(["-c", host, "-p", &port.to_string(), "-t", &secs.to_string()])
         .args(["-J", "--connect-timeout", "3000"])
         .output()
