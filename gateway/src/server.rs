@@ -237,7 +237,11 @@ impl Gateway {
             let _ = tcp.set_nodelay(true);
             let (this, acceptor) = (self.clone(), acceptor.clone());
             tokio::spawn(async move {
-                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                let tls = match tokio::time::timeout(
+                    HANDSHAKE_TIMEOUT,
+                    acceptor.accept(strait_mesh::io::ReadAhead::new(tcp)),
+                )
+                .await
                 {
                     Ok(Ok(t)) => t,
                     Ok(Err(e)) => {
@@ -272,7 +276,7 @@ impl Gateway {
     /// stream (the header follows inside it).
     async fn serve_h2(
         self: Arc<Self>,
-        tls: tokio_rustls::server::TlsStream<TcpStream>,
+        tls: tokio_rustls::server::TlsStream<strait_mesh::io::ReadAhead<TcpStream>>,
         peer: SpiffeId,
     ) {
         use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};

@@ -154,9 +154,108 @@ impl Copier {
     }
 }
 
+/// How much a [`ReadAhead`] asks of the socket at once.
+pub const READ_AHEAD: usize = 64 * 1024;
+
+/// A socket read ahead of its reader: rustls asks the socket for 4 KiB at a
+/// time, so a TLS connection receiving bulk made one `recv` syscall per 4 KiB
+/// (~100 000 a second at 3 Gbit/s). Wrapped, the socket is read up to
+/// [`READ_AHEAD`] at once and rustls's reads are served from that. The
+/// buffer exists only while bytes flow: it is freed whenever the socket has
+/// nothing more (an idle connection holds none). Writes pass straight through.
+pub struct ReadAhead<T> {
+    inner: T,
+    buf: Vec<u8>,
+    /// `buf[pos..end]` is read from the socket and not yet handed on.
+    pos: usize,
+    end: usize,
+}
+
+impl<T> ReadAhead<T> {
+    pub fn new(inner: T) -> Self {
+        Self {
+            inner,
+            buf: Vec::new(),
+            pos: 0,
+            end: 0,
+        }
+    }
+
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.pos == this.end {
+            // A reader asking for as much as we would read gains nothing
+            // from a copy.
+            if out.remaining() >= READ_AHEAD {
+                return Pin::new(&mut this.inner).poll_read(cx, out);
+            }
+            if this.buf.is_empty() {
+                this.buf = vec![0; READ_AHEAD];
+            }
+            let mut read = ReadBuf::new(&mut this.buf);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
+                Poll::Ready(Ok(())) => {
+                    this.pos = 0;
+                    this.end = read.filled().len();
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    this.buf = Vec::new();
+                    return Poll::Pending;
+                }
+            }
+        }
+        let n = out.remaining().min(this.end - this.pos);
+        out.put_slice(&this.buf[this.pos..this.pos + n]);
+        this.pos += n;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for ReadAhead<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// Bytes arrive whole and in order both ways, each writer is shut down
@@ -220,6 +319,37 @@ mod tests {
         feeder.await.unwrap();
         assert_eq!(out.len(), 400);
         assert_eq!(copier.buf.len(), INITIAL_BUFFER);
+    }
+
+    /// Small reads are served from one large read of the socket; the
+    /// buffer is gone once the socket has nothing more; writes pass through.
+    #[tokio::test]
+    async fn read_ahead_reads_large_serves_small_and_frees_when_idle() {
+        let (mut far, near) = tokio::io::duplex(1024 * 1024);
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+        far.write_all(&data).await.unwrap();
+        let mut ahead = ReadAhead::new(near);
+        let mut got = Vec::new();
+        let mut small = [0u8; 4096];
+        while got.len() < data.len() {
+            let n = ahead.read(&mut small).await.unwrap();
+            got.extend_from_slice(&small[..n]);
+            if got.len() == 4096 {
+                // The first small read pulled a whole READ_AHEAD from the socket.
+                assert_eq!(ahead.end, READ_AHEAD);
+            }
+        }
+        assert_eq!(got, data);
+        // Nothing more to read: the next read waits, and holds no buffer.
+        let pending = tokio::time::timeout(Duration::from_millis(50), ahead.read(&mut small)).await;
+        assert!(pending.is_err());
+        assert!(ahead.buf.is_empty());
+        ahead.write_all(b"back").await.unwrap();
+        let mut back = [0u8; 4];
+        far.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"back");
+        drop(far);
+        assert_eq!(ahead.read(&mut small).await.unwrap(), 0);
     }
 
     /// A reader's error ends the splice with that error.

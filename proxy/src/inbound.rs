@@ -11,11 +11,16 @@ use std::time::Duration;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
+use strait_mesh::io::ReadAhead;
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+
+/// A node proxy's or gateway's mutual-TLS connection to this inbound (its
+/// socket read ahead: bulk arrives in TLS records rustls reads 4 KiB at a time).
+type PeerTls = tokio_rustls::server::TlsStream<ReadAhead<TcpStream>>;
 use tokio_rustls::LazyConfigAcceptor;
 
 use crate::Drain;
@@ -64,13 +69,11 @@ impl Inbound {
     }
 
     /// The TLS handshake as the identity the client asked for (server name).
-    async fn accept(
-        &self,
-        stream: TcpStream,
-    ) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, (String, String)), String> {
-        let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream)
-            .await
-            .map_err(|e| format!("reading the ClientHello: {e}"))?;
+    async fn accept(&self, stream: TcpStream) -> Result<(PeerTls, (String, String)), String> {
+        let start =
+            LazyConfigAcceptor::new(rustls::server::Acceptor::default(), ReadAhead::new(stream))
+                .await
+                .map_err(|e| format!("reading the ClientHello: {e}"))?;
         let served = start
             .client_hello()
             .server_name()
@@ -122,9 +125,7 @@ impl Inbound {
                 return Err(format!("tunnel header from {client}: {e}"));
             }
         };
-        let refuse = async |tls: &mut tokio_rustls::server::TlsStream<TcpStream>,
-                            status: ResponseStatus,
-                            message: String| {
+        let refuse = async |tls: &mut PeerTls, status: ResponseStatus, message: String| {
             tracing::info!(%peer, client = %client, "refused: {message}");
             let _ = TunnelResponse::refused(status, message.clone())
                 .write_to(tls)
@@ -256,7 +257,7 @@ pub const CLIENT_ID_HEADER: &str = "strait-client-id";
 
 /// HTTP over one tunnel to one pod connection, in the tunnel's version.
 async fn serve_http(
-    tls: tokio_rustls::server::TlsStream<TcpStream>,
+    tls: PeerTls,
     upstream: TcpStream,
     protocol: Protocol,
     client: &SpiffeId,
