@@ -1,6 +1,11 @@
 //! `strait-gateway`: QUIC + mTLS multicluster gateway: receives cross-cluster traffic for exported Services.
 #![forbid(unsafe_code)]
 
+/// jemalloc, as ztunnel and linkerd2-proxy: measured in
+/// `scripts/bench-proxy.sh` (see ARCHITECTURE.md).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
