@@ -22,7 +22,7 @@ use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, ResponseStatus, TUNNEL_ALPN, Target, TunnelHeader, TunnelResponse,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::policy;
@@ -274,11 +274,7 @@ impl Gateway {
 
     /// The TCP fallback multiplexed: every HTTP/2 CONNECT is one tunnel
     /// stream (the header follows inside it).
-    async fn serve_h2(
-        self: Arc<Self>,
-        tls: tokio_rustls::server::TlsStream<strait_mesh::io::ReadAhead<TcpStream>>,
-        peer: SpiffeId,
-    ) {
+    async fn serve_h2(self: Arc<Self>, tls: strait_mesh::io::ServerTls, peer: SpiffeId) {
         use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
         let this = self.clone();
         let service =
@@ -438,7 +434,7 @@ impl Gateway {
         header: &TunnelHeader,
         peer: &SpiffeId,
     ) -> Result<
-        (tokio_rustls::client::TlsStream<TcpStream>, StreamLabels),
+        (strait_mesh::tunnel::client::ClientTls, StreamLabels),
         (ResponseStatus, &'static str, String),
     > {
         let caller = match &header.source {

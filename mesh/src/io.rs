@@ -32,11 +32,10 @@ where
     A: AsyncRead + AsyncWrite + Unpin + ?Sized,
     B: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
-    let mut a_to_b = Direction::Copying(Copier::default());
-    let mut b_to_a = Direction::Copying(Copier::default());
+    let (mut a_to_b, mut b_to_a) = (Copier::default(), Copier::default());
     poll_fn(|cx| {
-        let a_to_b = a_to_b.poll(cx, &mut *a, &mut *b)?;
-        let b_to_a = b_to_a.poll(cx, &mut *b, &mut *a)?;
+        let a_to_b = a_to_b.poll_copy(cx, &mut *a, &mut *b)?;
+        let b_to_a = b_to_a.poll_copy(cx, &mut *b, &mut *a)?;
         match (a_to_b, b_to_a) {
             (Poll::Ready(up), Poll::Ready(down)) => Poll::Ready(Ok((up, down))),
             _ => Poll::Pending,
@@ -45,41 +44,8 @@ where
     .await
 }
 
-/// One direction: copying, then shutting the writer down, then done.
-enum Direction {
-    Copying(Copier),
-    ShuttingDown(u64),
-    Done(u64),
-}
-
-impl Direction {
-    fn poll<R, W>(
-        &mut self,
-        cx: &mut Context<'_>,
-        reader: &mut R,
-        writer: &mut W,
-    ) -> Poll<io::Result<u64>>
-    where
-        R: AsyncRead + Unpin + ?Sized,
-        W: AsyncWrite + Unpin + ?Sized,
-    {
-        loop {
-            match self {
-                Direction::Copying(copier) => {
-                    let copied = ready!(copier.poll_copy(cx, reader, writer))?;
-                    *self = Direction::ShuttingDown(copied);
-                }
-                Direction::ShuttingDown(copied) => {
-                    ready!(Pin::new(&mut *writer).poll_shutdown(cx))?;
-                    *self = Direction::Done(*copied);
-                }
-                Direction::Done(copied) => return Poll::Ready(Ok(*copied)),
-            }
-        }
-    }
-}
-
-/// Reads into its buffer, writes it all out, and again, until EOF.
+/// One direction: reads into its buffer, writes it all out, and again until
+/// EOF; then flushes and shuts the writer down, and is done.
 #[derive(Default)]
 struct Copier {
     buf: Vec<u8>,
@@ -90,6 +56,8 @@ struct Copier {
     /// Written since the last flush.
     unflushed: bool,
     copied: u64,
+    /// The writer is shut down: polling again only returns the count.
+    done: bool,
 }
 
 impl Copier {
@@ -103,6 +71,9 @@ impl Copier {
         R: AsyncRead + Unpin + ?Sized,
         W: AsyncWrite + Unpin + ?Sized,
     {
+        if self.done {
+            return Poll::Ready(Ok(self.copied));
+        }
         loop {
             if self.pos == self.end && !self.eof {
                 // The last read filled the buffer: more is waiting, read more
@@ -146,13 +117,24 @@ impl Copier {
                 self.unflushed = true;
             }
             if self.eof {
-                ready!(Pin::new(&mut *writer).poll_flush(cx))?;
-                self.unflushed = false;
+                if self.unflushed {
+                    ready!(Pin::new(&mut *writer).poll_flush(cx))?;
+                    self.unflushed = false;
+                }
+                ready!(Pin::new(&mut *writer).poll_shutdown(cx))?;
+                self.done = true;
                 return Poll::Ready(Ok(self.copied));
             }
         }
     }
 }
+
+/// A mutual-TLS connection as its client holds it (node proxy → node proxy,
+/// gateway → node proxy, node proxy → gateway over TCP), socket read ahead.
+pub type ClientTls = tokio_rustls::client::TlsStream<ReadAhead<tokio::net::TcpStream>>;
+/// A mutual-TLS connection as its server holds it (a node proxy's inbound,
+/// the gateway's TCP listener), socket read ahead.
+pub type ServerTls = tokio_rustls::server::TlsStream<ReadAhead<tokio::net::TcpStream>>;
 
 /// How much a [`ReadAhead`] asks of the socket at once.
 pub const READ_AHEAD: usize = 64 * 1024;
@@ -222,35 +204,50 @@ impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for ReadAhead<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
-    }
+/// `AsyncWrite` for a wrapper `$ty<T>` that only changes how it reads: every
+/// write goes straight to its field `$field`.
+macro_rules! write_through {
+    ($ty:ident, $field:ident) => {
+        impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $ty<T> {
+            fn poll_write(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                buf: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.get_mut().$field).poll_write(cx, buf)
+            }
 
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
-    }
+            fn poll_write_vectored(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.get_mut().$field).poll_write_vectored(cx, bufs)
+            }
 
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
+            fn is_write_vectored(&self) -> bool {
+                self.$field.is_write_vectored()
+            }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.get_mut().$field).poll_flush(cx)
+            }
 
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.get_mut().$field).poll_shutdown(cx)
+            }
+        }
+    };
 }
+pub(crate) use write_through;
+
+write_through!(ReadAhead, inner);
 
 #[cfg(test)]
 mod tests {

@@ -189,20 +189,31 @@ async fn main() {
             ),
         )
         .unwrap();
-        let iperf_connect = |secs| {
+        // `reverse`: the server sends (iperf3 -R), so bulk flows back
+        // through the pair: the TLS client side reads it.
+        let iperf_connect = |secs, reverse: bool| {
             let mut command = client.command("/usr/bin/proxychains4");
             command.arg("-q").arg("-f").arg(&conf).arg("iperf3");
+            if reverse {
+                command.arg("-R");
+            }
             iperf_with(command, "iperf.shop.svc.cluster.local", IPERF_PORT, secs)
         };
         eventually("iperf3 answers through proxychains", WAIT, || async {
-            iperf_connect(1)
+            iperf_connect(1, false)
         })
         .await;
         runs.push(measured(
             "iperf3 CONNECT → proxy pair",
             &proxy_pids,
             None,
-            || iperf_connect(secs),
+            || iperf_connect(secs, false),
+        ));
+        runs.push(measured(
+            "the same, server sending",
+            &proxy_pids,
+            None,
+            || iperf_connect(secs, true),
         ));
     }
 

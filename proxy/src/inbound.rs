@@ -12,15 +12,12 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
 use strait_mesh::io::ReadAhead;
+use strait_mesh::io::ServerTls as PeerTls;
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-
-/// A node proxy's or gateway's mutual-TLS connection to this inbound (its
-/// socket read ahead: bulk arrives in TLS records rustls reads 4 KiB at a time).
-type PeerTls = tokio_rustls::server::TlsStream<ReadAhead<TcpStream>>;
 use tokio_rustls::LazyConfigAcceptor;
 
 use crate::Drain;

@@ -26,7 +26,6 @@ use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::tunnel::quic::{GatewayClient, GatewayStream};
 use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::client::TlsStream;
 
 use crate::Drain;
 use crate::balance::Balancer;
@@ -72,7 +71,7 @@ const GATEWAY_POOL_SUFFIX: &str = ".gateway.strait.internal";
 /// A tunnel: to a node proxy (TCP + TLS), or to a remote gateway (a QUIC
 /// stream, or TCP + TLS on fallback).
 pub enum TunnelStream {
-    Node(Box<TlsStream<TcpStream>>),
+    Node(Box<ClientTls>),
     Gateway(GatewayStream),
 }
 
@@ -189,7 +188,7 @@ pub trait Destinations: LocalPods {
 }
 
 pub use strait_mesh::tunnel::client::TunnelError;
-use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, open_to_pod};
+use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, ClientTls, open_to_pod};
 
 /// How long a pod may take to send a request head, and how long a kept-alive
 /// connection may sit idle between requests (hyper's default, which needs a
@@ -207,7 +206,7 @@ pub async fn open_tunnel(
     config: Arc<rustls::ClientConfig>,
     endpoint: &Endpoint,
     protocol: Protocol,
-) -> Result<TlsStream<TcpStream>, TunnelError> {
+) -> Result<ClientTls, TunnelError> {
     open_to_pod(
         config,
         endpoint.node_proxy,

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio_rustls::client::TlsStream;
+
+pub use crate::io::ClientTls;
+use crate::io::ReadAhead;
 
 use super::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse, server_name_for};
 use crate::identity::SpiffeId;
@@ -97,7 +99,7 @@ pub async fn open_to_pod(
     identity: &SpiffeId,
     protocol: Protocol,
     source: Option<SpiffeId>,
-) -> Result<TlsStream<TcpStream>, TunnelError> {
+) -> Result<ClientTls, TunnelError> {
     let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(node))
         .await
         .map_err(|_| TunnelError::Connect {
@@ -107,7 +109,7 @@ pub async fn open_to_pod(
         .map_err(|source| TunnelError::Connect { node, source })?;
     let _ = tcp.set_nodelay(true);
     let tls = tokio_rustls::TlsConnector::from(config)
-        .connect(server_name_for(identity), tcp)
+        .connect(server_name_for(identity), ReadAhead::new(tcp))
         .await
         .map_err(|source| TunnelError::Tls {
             node,

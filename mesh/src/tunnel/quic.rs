@@ -130,7 +130,7 @@ pub fn endpoint(
 /// A tunnel stream to a gateway: a QUIC stream or, on fallback, TCP + TLS.
 pub enum GatewayStream {
     Quic(Join<quinn::RecvStream, quinn::SendStream>),
-    Tcp(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    Tcp(Box<super::client::ClientTls>),
     /// A CONNECT stream on the fallback's shared HTTP/2 connection.
     H2(hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>),
 }
@@ -551,7 +551,7 @@ impl GatewayClient {
         &self,
         addr: SocketAddr,
         identity: &SpiffeId,
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TunnelError> {
+    ) -> Result<super::client::ClientTls, TunnelError> {
         let timed_out = || TunnelError::Connect {
             node: addr,
             source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
@@ -578,7 +578,7 @@ impl GatewayClient {
         };
         let _ = tcp.set_nodelay(true);
         tokio_rustls::TlsConnector::from(self.tcp_tls(identity)?)
-            .connect(server_name_for(identity), tcp)
+            .connect(server_name_for(identity), crate::io::ReadAhead::new(tcp))
             .await
             .map_err(|source| TunnelError::Tls {
                 node: addr,

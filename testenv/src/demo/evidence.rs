@@ -380,11 +380,14 @@ fn describe_mirror(svc: &Service, slice: &EndpointSlice, link: Option<Link>) -> 
         ));
     }
     if let Some(status) = link.and_then(|l| l.status) {
-        let conditions: Vec<String> = status
+        // By type: the controller appends conditions in whatever order they
+        // were first set, which varies from run to run.
+        let mut conditions: Vec<String> = status
             .conditions
             .iter()
             .map(|c| format!("{}={}", c.type_, c.status))
             .collect();
+        conditions.sort();
         lines.push(format!("Link west: {}", conditions.join(" ")));
     }
     lines
