@@ -433,10 +433,8 @@ impl Gateway {
         &self,
         header: &TunnelHeader,
         peer: &SpiffeId,
-    ) -> Result<
-        (strait_mesh::tunnel::client::ClientTls, StreamLabels),
-        (ResponseStatus, &'static str, String),
-    > {
+    ) -> Result<(strait_mesh::io::ClientTls, StreamLabels), (ResponseStatus, &'static str, String)>
+    {
         let caller = match &header.source {
             Some(source) if policy::may_speak_for_others(peer) => source.clone(),
             Some(source) => {

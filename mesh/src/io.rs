@@ -1,7 +1,8 @@
-//! Copying bytes both ways between two connections: the splice every
-//! opaque tunnel ends in (node proxy outbound and inbound, the gateway).
+//! Bytes under every tunnel: [`splice`], the copy both ways every opaque
+//! tunnel ends in (node proxy outbound and inbound, the gateway), and
+//! [`ReadAhead`], the socket under every mutual-TLS connection.
 //!
-//! Like `tokio::io::copy_bidirectional`, with one difference that matters
+//! `splice` is like `tokio::io::copy_bidirectional`, with one difference that matters
 //! for bulk transfers: each direction's buffer starts small
 //! ([`INITIAL_BUFFER`]) and doubles, up to [`MAX_BUFFER`], each time a read
 //! fills it. An idle or chatty connection keeps 2 × 8 KiB, as before; a bulk
@@ -161,10 +162,6 @@ impl<T> ReadAhead<T> {
             pos: 0,
             end: 0,
         }
-    }
-
-    pub fn get_ref(&self) -> &T {
-        &self.inner
     }
 }
 

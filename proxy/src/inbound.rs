@@ -11,8 +11,7 @@ use std::time::Duration;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
-use strait_mesh::io::ReadAhead;
-use strait_mesh::io::ServerTls as PeerTls;
+use strait_mesh::io::{ReadAhead, ServerTls as PeerTls};
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };

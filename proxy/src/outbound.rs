@@ -187,8 +187,9 @@ pub trait Destinations: LocalPods {
     fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool>;
 }
 
+use strait_mesh::io::ClientTls;
 pub use strait_mesh::tunnel::client::TunnelError;
-use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, ClientTls, open_to_pod};
+use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, open_to_pod};
 
 /// How long a pod may take to send a request head, and how long a kept-alive
 /// connection may sit idle between requests (hyper's default, which needs a

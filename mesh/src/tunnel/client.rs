@@ -9,8 +9,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-pub use crate::io::ClientTls;
-use crate::io::ReadAhead;
+use crate::io::{ClientTls, ReadAhead};
 
 use super::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse, server_name_for};
 use crate::identity::SpiffeId;

@@ -130,7 +130,7 @@ pub fn endpoint(
 /// A tunnel stream to a gateway: a QUIC stream or, on fallback, TCP + TLS.
 pub enum GatewayStream {
     Quic(Join<quinn::RecvStream, quinn::SendStream>),
-    Tcp(Box<super::client::ClientTls>),
+    Tcp(Box<crate::io::ClientTls>),
     /// A CONNECT stream on the fallback's shared HTTP/2 connection.
     H2(hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>),
 }
@@ -551,7 +551,7 @@ impl GatewayClient {
         &self,
         addr: SocketAddr,
         identity: &SpiffeId,
-    ) -> Result<super::client::ClientTls, TunnelError> {
+    ) -> Result<crate::io::ClientTls, TunnelError> {
         let timed_out = || TunnelError::Connect {
             node: addr,
             source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
