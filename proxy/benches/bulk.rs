@@ -5,16 +5,20 @@
 //! on node 1 → socat (`PROXY:` = CONNECT) → strait-proxy → strait-proxy on
 //! node 2 → iperf3 server pod. Both of iperf3's connections, control and data,
 //! go through CONNECT. The same again with iperf3 speaking CONNECT itself
-//! (proxychains), no shim in the path. Reports Gbit/s and the proxies' CPU seconds.
+//! (proxychains), no shim in the path. Last, the reference: a pair of haproxy
+//! in TCP mode with TLS (client certificates) between the nodes. Reports
+//! Gbit/s and the proxies' CPU seconds (for the last rows, haproxy's).
 //!
 //!     bash scripts/bench-bulk.sh
 //!
-//! (installs iperf3, socat and proxychains4, builds the release binaries, then runs
+//! (installs iperf3, socat, proxychains4 and haproxy, builds the release binaries, then runs
 //! `cargo bench -p strait-proxy --bench bulk` with `STRAIT_PROXY_LOG=warn`;
 //! `STRAIT_BENCH_SECS=10`.)
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "support/haproxy.rs"]
+mod haproxy;
 
 use std::net::Ipv4Addr;
 use std::path::Path;
@@ -215,6 +219,35 @@ async fn main() {
             None,
             || iperf_connect(secs, true),
         ));
+    }
+
+    {
+        // The reference: a pair of haproxy (TCP mode, TLS with client
+        // certificates between the nodes), which iperf3 reaches directly.
+        let pair = haproxy::start(
+            &mesh,
+            std::net::SocketAddr::new(server_ip.into(), IPERF_PORT),
+            haproxy::Mode::Tcp,
+        );
+        let pids: Vec<u32> = pair.iter().filter_map(|p| p.pid()).collect();
+        let entry = node_ip.to_string();
+        let iperf_pair = |secs, reverse: bool| {
+            let mut command = client.command("iperf3");
+            if reverse {
+                command.arg("-R");
+            }
+            iperf_with(command, &entry, haproxy::ENTRY_PORT, secs)
+        };
+        eventually("iperf3 answers through the haproxy pair", WAIT, || async {
+            iperf_pair(1, false)
+        })
+        .await;
+        runs.push(measured("haproxy+TLS pair (TCP)", &pids, None, || {
+            iperf_pair(secs, false)
+        }));
+        runs.push(measured("the same, server sending", &pids, None, || {
+            iperf_pair(secs, true)
+        }));
     }
 
     let raw = runs[0].gbits;

@@ -14,14 +14,13 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "support/haproxy.rs"]
+mod haproxy;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::time::Duration;
 
-use strait_mesh::identity::SpiffeId;
-use strait_mesh::identity::ca::LeafSigner;
-use strait_testenv::process::{ChildProcess, cpu_seconds, rss_kib};
+use strait_testenv::process::{cpu_seconds, rss_kib};
 use strait_testenv::workspace_binary;
 
 use common::*;
@@ -81,79 +80,6 @@ fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) 
     }
 }
 
-/// haproxy on both nodes: node 1 plain HTTP in, TLS with a client certificate
-/// out; node 2 TLS in (client certificate required), plain to the pod.
-fn start_haproxy(mesh: &Mesh, backend: SocketAddr) -> Vec<ChildProcess> {
-    let dir = mesh.dir.path().join("haproxy");
-    std::fs::create_dir_all(&dir).unwrap();
-    let issuer_pem = mesh.issuer_pair.cert_pem.clone();
-    let signer = LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem).unwrap();
-    let write_leaf = |name: &str, id: &str| {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let leaf = signer
-            .sign(
-                &key,
-                &id.parse::<SpiffeId>().unwrap(),
-                Duration::from_secs(3600),
-            )
-            .unwrap();
-        let path = dir.join(format!("{name}.pem"));
-        std::fs::write(
-            &path,
-            format!("{}{}{}", leaf.pem, issuer_pem, key.serialize_pem()),
-        )
-        .unwrap();
-        path
-    };
-    let client_pem = write_leaf(
-        "client",
-        "spiffe://cluster.local/ns/bench/sa/haproxy-client",
-    );
-    let server_pem = write_leaf(
-        "server",
-        "spiffe://cluster.local/ns/bench/sa/haproxy-server",
-    );
-    let ca = dir.join("ca.pem");
-    std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();
-    let nodes = mesh.topology.nodes();
-    let (n1, n2) = (nodes[0].ip(), nodes[1].ip());
-    let common = "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  http-reuse always\n";
-    let front = format!(
-        "{common}frontend f\n  bind {n1}:4240\n  default_backend b\nbackend b\n  server s {n2}:4243 ssl verify required ca-file {} crt {} alpn http/1.1\n",
-        ca.display(),
-        client_pem.display()
-    );
-    let back = format!(
-        "{common}frontend f\n  bind {n2}:4243 ssl crt {} ca-file {} verify required alpn http/1.1\n  default_backend b\nbackend b\n  server s {backend}\n",
-        server_pem.display(),
-        ca.display()
-    );
-    let mut children = Vec::new();
-    for (i, (node, cfg)) in [(&nodes[0], front), (&nodes[1], back)]
-        .into_iter()
-        .enumerate()
-    {
-        let path = dir.join(format!("haproxy-{i}.cfg"));
-        std::fs::write(&path, cfg).unwrap();
-        children.push(
-            node.spawn(
-                &format!("haproxy-{i}"),
-                Path::new("/usr/sbin/haproxy"),
-                &[
-                    "-db".into(),
-                    "-f".into(),
-                    path.to_string_lossy().into_owned(),
-                ],
-                &[],
-                &dir.join(format!("haproxy-{i}.log")),
-            )
-            .expect("run haproxy (scripts/bench-proxy.sh installs it)"),
-        );
-    }
-    std::thread::sleep(Duration::from_secs(1));
-    children
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     if std::env::args().any(|a| a == "--list") {
@@ -184,7 +110,7 @@ async fn main() {
         50,
         3,
     );
-    let haproxy = start_haproxy(&mesh, server);
+    let haproxy = haproxy::start(&mesh, server, haproxy::Mode::Http);
     let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
 
     let mut runs = Vec::new();
@@ -214,7 +140,7 @@ async fn main() {
             || {
                 load(
                     &mesh,
-                    SocketAddr::new(IpAddr::V4(node1), 4240),
+                    SocketAddr::new(IpAddr::V4(node1), haproxy::ENTRY_PORT),
                     "/bench",
                     "web.shop",
                     rate,

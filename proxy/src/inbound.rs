@@ -21,7 +21,7 @@ use tokio_rustls::LazyConfigAcceptor;
 
 use crate::Drain;
 use crate::identity::{PodIdentities, parse_server_name};
-use crate::metrics::{ProxyMetrics, TcpLabels};
+use crate::metrics::{HttpSeries, ProxyMetrics, TcpLabels};
 
 /// A pod running on this node, as the inbound check needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,8 +221,7 @@ impl Inbound {
                     upstream,
                     header.protocol,
                     &caller,
-                    self.metrics.clone(),
-                    labels.clone(),
+                    self.metrics.http(&labels),
                 )
                 .await;
                 self.metrics.tcp_close(&labels, 0, 0);
@@ -251,55 +250,50 @@ fn is_gateway(peer: &SpiffeId) -> bool {
 /// delivers the request to the pod (any value the caller sent is replaced).
 pub const CLIENT_ID_HEADER: &str = "strait-client-id";
 
-/// HTTP over one tunnel to one pod connection, in the tunnel's version.
+/// HTTP over one tunnel to one pod connection, in the tunnel's version. One
+/// task drives both connections (no hand-over to another task per request).
 async fn serve_http(
     tls: PeerTls,
     upstream: TcpStream,
     protocol: Protocol,
     client: &SpiffeId,
-    metrics: ProxyMetrics,
-    labels: TcpLabels,
+    series: HttpSeries,
 ) -> Result<(), String> {
     use hyper_util::rt::{TokioExecutor, TokioIo};
     let client_id = http::HeaderValue::from_str(&client.to_string())
         .map_err(|e| format!("caller identity as a header: {e}"))?;
     let pod = upstream.peer_addr().ok();
-    let sender = match protocol {
+    let (sender, pod_connection): (PodSender, BoxFuture) = match protocol {
         Protocol::Http2 => {
             let (sender, conn) =
                 hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(upstream))
                     .await
                     .map_err(|e| format!("HTTP/2 to pod {pod:?}: {e}"))?;
-            tokio::spawn(conn);
-            PodSender::H2(sender)
+            (PodSender::H2(sender), Box::pin(quietly(conn)))
         }
         _ => {
             let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
                 .await
                 .map_err(|e| format!("HTTP/1 to pod {pod:?}: {e}"))?;
-            tokio::spawn(conn);
-            PodSender::H1(Arc::new(tokio::sync::Mutex::new(sender)))
+            (
+                PodSender::H1(Arc::new(tokio::sync::Mutex::new(sender))),
+                Box::pin(quietly(conn)),
+            )
         }
     };
     let service =
         hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-            let (sender, metrics, labels, client_id) = (
-                sender.clone(),
-                metrics.clone(),
-                labels.clone(),
-                client_id.clone(),
-            );
+            let (sender, series, client_id) = (sender.clone(), series.clone(), client_id.clone());
             async move {
                 crate::hop::strip(req.headers_mut());
                 req.headers_mut().insert(CLIENT_ID_HEADER, client_id);
-                metrics.request(&labels);
+                series.request();
                 let started = std::time::Instant::now();
                 let result = match sender {
                     PodSender::H1(s) => s.lock().await.send_request(req).await,
                     PodSender::H2(mut s) => s.send_request(req).await,
                 };
-                metrics.response(
-                    &labels,
+                series.response(
                     result.as_ref().ok().map(|r| r.status()),
                     started.elapsed().as_secs_f64(),
                 );
@@ -320,19 +314,34 @@ async fn serve_http(
             }
         });
     let io = TokioIo::new(tls);
-    let served = match protocol {
-        Protocol::Http2 => {
-            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .serve_connection(io, service)
-                .await
-        }
-        _ => {
-            hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
+    let tunnel = async move {
+        match protocol {
+            Protocol::Http2 => {
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(io, service)
+                    .await
+            }
+            _ => {
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await
+            }
         }
     };
+    // The pod's connection ends once the tunnel's (holding its sender) has.
+    let (served, ()) = tokio::join!(tunnel, pod_connection);
     served.map_err(|e| format!("HTTP in the tunnel: {e}"))
+}
+
+type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A pod connection's future, its error only logged.
+async fn quietly<E: std::fmt::Display>(
+    connection: impl std::future::Future<Output = Result<(), E>>,
+) {
+    if let Err(e) = connection.await {
+        tracing::debug!("HTTP to the pod: {e}");
+    }
 }
 
 #[derive(Clone)]

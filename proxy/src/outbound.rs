@@ -668,15 +668,21 @@ impl Outbound {
         let mut body = Some(body.boxed());
         let budget = self.budget_for(destination);
         budget.deposit(Instant::now());
+        let source = caller.identity.id();
         let mut tried: Vec<SocketAddr> = Vec::new();
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let candidates: Vec<Endpoint> = endpoints
-                .iter()
-                .filter(|e| !tried.contains(&e.addr))
-                .cloned()
-                .collect();
+            // A retry goes elsewhere if it can.
+            let candidates: Vec<Endpoint> = if tried.is_empty() {
+                Vec::new()
+            } else {
+                endpoints
+                    .iter()
+                    .filter(|e| !tried.contains(&e.addr))
+                    .cloned()
+                    .collect()
+            };
             let Some(endpoint) = self.balancer.pick(if candidates.is_empty() {
                 &endpoints
             } else {
@@ -685,7 +691,7 @@ impl Outbound {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "no ready endpoint".into());
             };
             tried.push(endpoint.addr);
-            let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+            let series = self.metrics.outbound_http(&source, &endpoint.identity);
             // HTTP/1: the pool is keyed by the pod's address (kept-alive
             // tunnels per pod; the Host header still names the service).
             // HTTP/2 keeps the client's URI: it carries `:authority`.
@@ -715,22 +721,32 @@ impl Outbound {
             *request.method_mut() = parts.method.clone();
             *request.uri_mut() = uri;
             *request.version_mut() = parts.version;
-            *request.headers_mut() = parts.headers.clone();
-            self.metrics.request(&labels);
+            // Only a replayable request can be sent again: keep its headers.
+            *request.headers_mut() = if replayable {
+                parts.headers.clone()
+            } else {
+                std::mem::take(&mut parts.headers)
+            };
+            series.request();
             let started = Instant::now();
             let guard = self.balancer.start(&endpoint);
             let result = if http2 {
                 self.send_h2(&caller, &endpoint, request).await
             } else {
                 let mut request = request;
-                let captured =
-                    hyper_util::client::legacy::connect::capture_connection(&mut request);
+                // Only a gateway's connection may be a TCP fallback to retire.
+                let captured = endpoint
+                    .remote
+                    .is_some()
+                    .then(|| hyper_util::client::legacy::connect::capture_connection(&mut request));
                 let result = self
-                    .client_for(&caller)
+                    .client_for(&caller, &source)
                     .request(request)
                     .await
                     .map_err(SendError::from);
-                self.retire_fallback(&endpoint, &captured);
+                if let Some(captured) = captured {
+                    self.retire_fallback(&endpoint, &captured);
+                }
                 result
             };
             let elapsed = started.elapsed();
@@ -740,18 +756,17 @@ impl Outbound {
                 Err(e) => e.connect && replayable,
             };
             guard.finish(elapsed, !retryable && result.is_ok());
-            self.metrics.response(
-                &labels,
+            series.response(
                 result.as_ref().ok().map(|r| r.status()),
                 elapsed.as_secs_f64(),
             );
             if retryable && attempt < MAX_ATTEMPTS {
                 if budget.withdraw(Instant::now()) {
-                    self.metrics.retry(&labels);
+                    series.retry();
                     tracing::debug!(endpoint = %endpoint.addr, attempt, "retrying on another endpoint");
                     continue;
                 }
-                self.metrics.budget_exhausted(&labels);
+                series.budget_exhausted();
             }
             return match result {
                 Ok(mut response) => {
@@ -854,17 +869,22 @@ impl Outbound {
 
     fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
         let mut budgets = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(budget) = budgets.get(destination) {
+            return budget.clone();
+        }
         budgets
             .entry(destination.to_string())
             .or_insert_with(|| Arc::new(RetryBudget::new(BudgetConfig::default())))
             .clone()
     }
 
-    fn client_for(&self, caller: &Caller) -> Client<TunnelConnector, Body> {
-        let id = caller.identity.id();
+    fn client_for(&self, caller: &Caller, id: &SpiffeId) -> Client<TunnelConnector, Body> {
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(id) {
+            return client.clone();
+        }
         clients
-            .entry(id)
+            .entry(id.clone())
             .or_insert_with(|| {
                 let connector = TunnelConnector {
                     source: caller.identity.clone(),

@@ -1,0 +1,107 @@
+//! A pair of haproxy processes as the benchmarks' reference: node 1 takes
+//! plain traffic in and speaks TLS with a client certificate to node 2,
+//! which requires that certificate and forwards in the clear to the pod.
+//! Certificates come from the mesh's own issuer.
+// Each benchmark uses one of the modes.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use strait_mesh::identity::SpiffeId;
+use strait_mesh::identity::ca::LeafSigner;
+use strait_testenv::process::ChildProcess;
+
+use crate::common::Mesh;
+
+/// What the pair forwards: HTTP requests (kept-alive, reused connections
+/// between the two) or plain TCP streams.
+#[derive(Clone, Copy)]
+pub enum Mode {
+    Http,
+    Tcp,
+}
+
+/// Port of the pair's entry on node 1 (plain) and of node 2 (TLS).
+pub const ENTRY_PORT: u16 = 4240;
+const TLS_PORT: u16 = 4243;
+
+/// Starts the pair in front of `backend`; clients connect to node 1 at
+/// [`ENTRY_PORT`].
+pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> {
+    let dir = mesh.dir.path().join("haproxy");
+    std::fs::create_dir_all(&dir).unwrap();
+    let issuer_pem = mesh.issuer_pair.cert_pem.clone();
+    let signer = LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem).unwrap();
+    let write_leaf = |name: &str, id: &str| {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = signer
+            .sign(
+                &key,
+                &id.parse::<SpiffeId>().unwrap(),
+                Duration::from_secs(3600),
+            )
+            .unwrap();
+        let path = dir.join(format!("{name}.pem"));
+        std::fs::write(
+            &path,
+            format!("{}{}{}", leaf.pem, issuer_pem, key.serialize_pem()),
+        )
+        .unwrap();
+        path
+    };
+    let client_pem = write_leaf(
+        "client",
+        "spiffe://cluster.local/ns/bench/sa/haproxy-client",
+    );
+    let server_pem = write_leaf(
+        "server",
+        "spiffe://cluster.local/ns/bench/sa/haproxy-server",
+    );
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();
+    let nodes = mesh.topology.nodes();
+    let (n1, n2) = (nodes[0].ip(), nodes[1].ip());
+    let (mode, alpn) = match mode {
+        Mode::Http => ("http\n  http-reuse always", " alpn http/1.1"),
+        Mode::Tcp => ("tcp", ""),
+    };
+    let common = format!(
+        "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+    );
+    let front = format!(
+        "{common}frontend f\n  bind {n1}:{ENTRY_PORT}\n  default_backend b\nbackend b\n  server s {n2}:{TLS_PORT} ssl verify required ca-file {} crt {}{alpn}\n",
+        ca.display(),
+        client_pem.display()
+    );
+    let back = format!(
+        "{common}frontend f\n  bind {n2}:{TLS_PORT} ssl crt {} ca-file {} verify required{alpn}\n  default_backend b\nbackend b\n  server s {backend}\n",
+        server_pem.display(),
+        ca.display()
+    );
+    let mut children = Vec::new();
+    for (i, (node, cfg)) in [(&nodes[0], front), (&nodes[1], back)]
+        .into_iter()
+        .enumerate()
+    {
+        let path = dir.join(format!("haproxy-{i}.cfg"));
+        std::fs::write(&path, cfg).unwrap();
+        children.push(
+            node.spawn(
+                &format!("haproxy-{i}"),
+                Path::new("/usr/sbin/haproxy"),
+                &[
+                    "-db".into(),
+                    "-f".into(),
+                    path.to_string_lossy().into_owned(),
+                ],
+                &[],
+                &dir.join(format!("haproxy-{i}.log")),
+            )
+            .expect("run haproxy (the bench scripts install it)"),
+        );
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    children
+}
