@@ -94,6 +94,7 @@ fn children_cpu(pids: &[u32]) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    uniform_runtimes();
     if std::env::args().any(|a| a == "--list") {
         return;
     }

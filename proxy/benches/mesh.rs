@@ -82,6 +82,7 @@ fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) 
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    uniform_runtimes();
     if std::env::args().any(|a| a == "--list") {
         return;
     }

@@ -121,6 +121,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    uniform_runtimes();
     if !root_or_skip("the WAN benchmark") {
         return;
     }

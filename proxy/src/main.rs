@@ -67,11 +67,33 @@ struct Args {
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
+    /// Runtime threads: 0 = one per available CPU (cgroup limits included);
+    /// 1 = a single-threaded runtime, no cross-thread wake-ups (as
+    /// linkerd2-proxy runs on one core); N = N worker threads.
+    #[arg(long, env = "STRAIT_PROXY_WORKERS", default_value_t = 0)]
+    workers: usize,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let mut runtime = match args.workers {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if n > 1 {
+                builder.worker_threads(n);
+            }
+            builder
+        }
+    };
+    runtime
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     let metrics = ProxyMetrics::new(&args.cluster_name);
     let identity_metrics = IdentityMetrics::default();

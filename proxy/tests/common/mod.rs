@@ -63,6 +63,11 @@ impl Drop for Mesh {
 /// hostPorts: the same node either way). Its token is bound to this pod on that
 /// node, as a DaemonSet pod's projected token is. Then the proxy process.
 pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
+    let index = mesh
+        .topology
+        .nodes()
+        .iter()
+        .position(|n| n.name() == node.name());
     let client = mesh.topology.cluster().client();
     let name = format!("strait-proxy-{}", node.name());
     let pod = strait_testenv::stack::node_proxy_pod(node.name());
@@ -89,6 +94,12 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         "--drain-timeout=2s".to_string(),
         format!("--enroll-socket={}", s(&enroll_socket(mesh, node))),
     ];
+    let mut args = args;
+    // Tests run the second node's proxy on the single-threaded runtime, so
+    // every multi-node test covers both (benchmarks keep the default).
+    if index == Some(1) && MIXED_RUNTIMES.load(std::sync::atomic::Ordering::Relaxed) {
+        args.push("--workers=1".to_string());
+    }
     let kubeconfig_path = dir.join("kubeconfig");
     // Tests want the proxy's debug logs; the benchmark sets STRAIT_PROXY_LOG=warn.
     let log_filter = std::env::var("STRAIT_PROXY_LOG").unwrap_or("strait_proxy=debug,info".into());
@@ -272,6 +283,16 @@ pub async fn ensure_sa(client: &Client, ns: &str, sa: &str) {
 
 /// A cluster of `nodes` network-namespace nodes, the issuer, and a node proxy
 /// (`proxy` binary) ready on every node; no workloads yet.
+/// Whether [`start_proxy`] runs the second node's proxy single-threaded
+/// (`--workers=1`); benchmarks call [`uniform_runtimes`].
+static MIXED_RUNTIMES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Every proxy on the default runtime (for benchmarks; the proxies also
+/// inherit `STRAIT_PROXY_WORKERS` from the environment).
+pub fn uniform_runtimes() {
+    MIXED_RUNTIMES.store(false, std::sync::atomic::Ordering::Relaxed);
+}
+
 pub async fn start_mesh(nodes: usize, proxy: &Path) -> Mesh {
     let anchor = ca::new_trust_anchor("strait trust anchor", 2 * DAY).unwrap();
     start_mesh_named("mesh", nodes, proxy, &anchor).await
