@@ -10,7 +10,8 @@
 //! (installs haproxy, builds the release binaries, then runs
 //! `cargo bench -p strait-proxy --bench mesh` with `STRAIT_PROXY_LOG=warn`, since
 //! per-request debug logs would cost what is measured; `STRAIT_BENCH_RATES=1000,10000`,
-//! `STRAIT_BENCH_SECS=10`.)
+//! `STRAIT_BENCH_SECS=10`; `STRAIT_BENCH_REPEAT=3` runs three interleaved rounds
+//! and adds their medians.)
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -32,8 +33,37 @@ fn env_or(name: &str, default: &str) -> String {
 struct Run {
     label: String,
     report: serde_json::Value,
-    cpu: f64,
+    /// CPU seconds of each measured process (node 1's first).
+    cpu: Vec<f64>,
     rss_kib: u64,
+}
+
+impl Run {
+    /// vCPU per 1 000 rps of each process; the CPU window includes
+    /// strait-load's 2 s warm-up at the same rate.
+    fn per_k(&self, secs: u64) -> Vec<f64> {
+        let achieved = self.report["achieved_rps"].as_f64().unwrap_or(0.0);
+        if achieved <= 0.0 {
+            return Vec::new();
+        }
+        self.cpu
+            .iter()
+            .map(|c| c / (secs + 2) as f64 / (achieved / 1000.0))
+            .collect()
+    }
+
+    fn ms(&self, key: &str) -> f64 {
+        self.report[key].as_f64().unwrap_or(0.0)
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// Runs strait-load in the client pod against `connect` with request target `uri`.
@@ -69,9 +99,13 @@ fn load(
 }
 
 fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
-    let before: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+    let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
     let report = run();
-    let cpu = pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>() - before;
+    let cpu = pids
+        .iter()
+        .zip(before)
+        .map(|(p, b)| cpu_seconds(*p) - b)
+        .collect();
     Run {
         label: label.into(),
         report,
@@ -114,41 +148,44 @@ async fn main() {
     let haproxy = haproxy::start(&mesh, server, haproxy::Mode::Http);
     let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
 
+    let repeat: usize = env_or("STRAIT_BENCH_REPEAT", "1").parse().unwrap();
     let mut runs = Vec::new();
-    for &rate in &rates {
-        runs.push(measured(
-            &format!("direct        {rate:>6} rps"),
-            &[],
-            || load(&mesh, server, "/bench", "web.shop", rate, secs),
-        ));
-        runs.push(measured(
-            &format!("strait-proxy  {rate:>6} rps"),
-            &proxy_pids,
-            || {
-                load(
-                    &mesh,
-                    SocketAddr::new(IpAddr::V4(node1), 4140),
-                    url,
-                    "web.shop",
-                    rate,
-                    secs,
-                )
-            },
-        ));
-        runs.push(measured(
-            &format!("haproxy+TLS   {rate:>6} rps"),
-            &haproxy_pids,
-            || {
-                load(
-                    &mesh,
-                    SocketAddr::new(IpAddr::V4(node1), haproxy::ENTRY_PORT),
-                    "/bench",
-                    "web.shop",
-                    rate,
-                    secs,
-                )
-            },
-        ));
+    // Rounds interleave the paths, so a slow minute of this shared machine
+    // hits all of them; the summary takes medians over the rounds.
+    for _ in 0..repeat {
+        for &rate in &rates {
+            runs.push(measured(&format!("direct {rate:>6} rps"), &[], || {
+                load(&mesh, server, "/bench", "web.shop", rate, secs)
+            }));
+            runs.push(measured(
+                &format!("strait-proxy {rate:>6} rps"),
+                &proxy_pids,
+                || {
+                    load(
+                        &mesh,
+                        SocketAddr::new(IpAddr::V4(node1), 4140),
+                        url,
+                        "web.shop",
+                        rate,
+                        secs,
+                    )
+                },
+            ));
+            runs.push(measured(
+                &format!("haproxy+TLS {rate:>6} rps"),
+                &haproxy_pids,
+                || {
+                    load(
+                        &mesh,
+                        SocketAddr::new(IpAddr::V4(node1), haproxy::ENTRY_PORT),
+                        "/bench",
+                        "web.shop",
+                        rate,
+                        secs,
+                    )
+                },
+            ));
+        }
     }
     // A broken comparison must say why, not print zeros.
     if runs
@@ -164,33 +201,90 @@ async fn main() {
         }
     }
     println!(
-        "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>14} {:>9}",
-        "path", "achieved", "p50 ms", "p99 ms", "p99.9", "max", "errors", "CPU/1k rps", "RSS MiB"
+        "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>11} {:>15} {:>8}",
+        "path",
+        "achieved",
+        "p50 ms",
+        "p99 ms",
+        "p99.9",
+        "max",
+        "errors",
+        "CPU/1k rps",
+        "node 1 + node 2",
+        "RSS MiB"
     );
     for r in &runs {
-        let rep = &r.report;
-        let achieved = rep["achieved_rps"].as_f64().unwrap_or(0.0);
-        let per_k = if r.cpu > 0.0 && achieved > 0.0 {
-            // The CPU window includes strait-load's 2 s warm-up at the same rate.
-            format!(
-                "{:.3} vCPU",
-                r.cpu / (secs + 2) as f64 / (achieved / 1000.0)
-            )
+        let each = r.per_k(secs);
+        let (total, split) = if each.is_empty() {
+            ("-".to_string(), "-".to_string())
         } else {
-            "-".into()
+            (
+                format!("{:.3}", each.iter().sum::<f64>()),
+                each.iter()
+                    .map(|c| format!("{c:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" + "),
+            )
         };
         println!(
-            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>14} {:>9.1}",
+            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>11} {:>15} {:>8.1}",
             r.label,
-            achieved,
-            rep["p50_ms"].as_f64().unwrap_or(0.0),
-            rep["p99_ms"].as_f64().unwrap_or(0.0),
-            rep["p999_ms"].as_f64().unwrap_or(0.0),
-            rep["max_ms"].as_f64().unwrap_or(0.0),
-            rep["errors"],
-            per_k,
+            r.report["achieved_rps"].as_f64().unwrap_or(0.0),
+            r.ms("p50_ms"),
+            r.ms("p99_ms"),
+            r.ms("p999_ms"),
+            r.ms("max_ms"),
+            r.report["errors"],
+            total,
+            split,
             r.rss_kib as f64 / 1024.0
         );
+    }
+    if repeat > 1 {
+        // Medians over the rounds; "added" is against the direct path of
+        // the same round.
+        println!(
+            "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12}",
+            "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99"
+        );
+        let per_round = 3 * rates.len();
+        for (i, first) in runs.iter().take(per_round).enumerate() {
+            let same: Vec<&Run> = runs.iter().skip(i).step_by(per_round).collect();
+            let direct: Vec<&Run> = runs.iter().skip(i - i % 3).step_by(per_round).collect();
+            let added = |key: &str| {
+                median(
+                    same.iter()
+                        .zip(&direct)
+                        .map(|(r, d)| r.ms(key) - d.ms(key))
+                        .collect(),
+                )
+            };
+            let node = |n: usize| {
+                median(
+                    same.iter()
+                        .filter_map(|r| r.per_k(secs).get(n).copied())
+                        .collect(),
+                )
+            };
+            let (cpu, split) = if first.cpu.is_empty() {
+                ("-".to_string(), "-".to_string())
+            } else {
+                let total = median(same.iter().map(|r| r.per_k(secs).iter().sum()).collect());
+                (
+                    format!("{total:.3}"),
+                    format!("{:.3} / {:.3}", node(0), node(1)),
+                )
+            };
+            println!(
+                "{:>28}{:<22} {:>11} {:>15} {:>9.2} ms {:>9.2} ms",
+                "",
+                first.label,
+                cpu,
+                split,
+                added("p50_ms"),
+                added("p99_ms")
+            );
+        }
     }
     drop(haproxy);
 }
