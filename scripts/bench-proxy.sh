@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Node proxy benchmark: direct vs strait-proxy pair vs haproxy pair (root).
-#   bash scripts/bench-proxy.sh        (STRAIT_BENCH_RATES=1000,10000 STRAIT_BENCH_SECS=10)
+#   bash scripts/bench-proxy.sh        (STRAIT_BENCH_RATES=1000,10000 STRAIT_BENCH_SECS=10 STRAIT_BENCH_REPEAT=1)
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 APT_PACKAGES+=(haproxy)
 bootstrap
