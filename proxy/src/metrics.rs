@@ -109,7 +109,18 @@ impl HttpSeries {
         inner.latency.observe(seconds);
         let class = match status.map(|s| s.as_u16() / 100) {
             Some(c @ 1..=5) => usize::from(c) - 1,
-            _ => 5,
+            // Non-standard 6xx…9xx: rare enough to look up each time.
+            Some(c) => {
+                inner
+                    .responses_family
+                    .get_or_create(&ResponseLabels {
+                        peers: inner.peers.clone(),
+                        status_class: format!("{c}xx"),
+                    })
+                    .inc();
+                return;
+            }
+            None => 5,
         };
         inner.responses[class]
             .get_or_init(|| {
@@ -233,5 +244,56 @@ impl ProxyMetrics {
             "Retryable failures not retried because the retry budget was spent",
             self.budget_exhausted.clone(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Series resolved once count like the families they came from: one
+    /// series per status class that happened, retries and budget alike.
+    #[test]
+    fn http_series_count_into_their_families() {
+        let metrics = ProxyMetrics::new("east");
+        let source: SpiffeId = "spiffe://cluster.local/ns/shop/sa/client".parse().unwrap();
+        let destination: SpiffeId = "spiffe://cluster.local/ns/shop/sa/web".parse().unwrap();
+        let series = metrics.outbound_http(&source, &destination);
+        for status in [200, 201, 503, 999] {
+            series.request();
+            series.response(http::StatusCode::from_u16(status).ok(), 0.001);
+        }
+        series.request();
+        series.response(None, 0.002);
+        series.retry();
+        // The same pair again: the same series.
+        metrics
+            .outbound_http(&source, &destination)
+            .budget_exhausted();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let value = |name: &str, class: Option<&str>| {
+            text.lines()
+                .find(|l| {
+                    l.starts_with(name)
+                        && l.contains(r#"src_workload="client""#)
+                        && l.contains(r#"cluster="east""#)
+                        && class.is_none_or(|c| l.contains(&format!(r#"status_class="{c}""#)))
+                })
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap_or_else(|| panic!("no {name} {class:?} in\n{text}"))
+                .to_string()
+        };
+        assert_eq!(value("request_total", None), "5");
+        assert_eq!(value("response_total", Some("2xx")), "2");
+        assert_eq!(value("response_total", Some("5xx")), "1");
+        assert_eq!(value("response_total", Some("9xx")), "1");
+        assert_eq!(value("response_total", Some("error")), "1");
+        assert_eq!(value("response_latency_seconds_count", None), "5");
+        assert_eq!(value("retries_total", None), "1");
+        assert_eq!(value("retry_budget_exhausted_total", None), "1");
+        assert!(!text.contains(r#"status_class="4xx""#), "{text}");
     }
 }
