@@ -56,7 +56,7 @@ pub struct LinkSpec {
     pub gateway_addresses: Vec<String>,
     /// Port of the remote gateway (QUIC on UDP, TLS on TCP).
     #[serde(default = "default_gateway_port")]
-    #[schemars(range(min = 1, max = 65535))]
+    #[schemars(range(min = 1, max = 65535), extend("format" = "int32"))]
     pub gateway_port: u16,
     /// SPIFFE ID the remote gateway must present.
     #[serde(default)]
@@ -95,7 +95,7 @@ pub struct ProbeSpec {
     /// it measures the real path. Any other port (e.g. the admin port 4191):
     /// an HTTPS GET of `path` with mutual TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 65535))]
+    #[schemars(range(min = 1, max = 65535), extend("format" = "int32"))]
     pub port: Option<u16>,
     /// Time between probes, e.g. "3s".
     #[serde(default = "default_probe_period")]
@@ -105,7 +105,7 @@ pub struct ProbeSpec {
     pub timeout: String,
     /// Consecutive failures before the gateway counts as down.
     #[serde(default = "default_failure_threshold")]
-    #[schemars(range(min = 1, max = 100))]
+    #[schemars(range(min = 1, max = 100), extend("format" = "int32"))]
     pub failure_threshold: u32,
 }
 
@@ -130,6 +130,7 @@ pub struct LinkStatus {
     pub conditions: Vec<Condition>,
     /// Number of Services mirrored from the remote cluster.
     #[serde(default)]
+    #[schemars(extend("format" = "int64"))]
     pub mirrored_services: u32,
     /// Per-service state, for services that could not be mirrored.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -152,6 +153,7 @@ pub struct GatewayLatency {
     /// 99th percentile probe latency, milliseconds.
     pub p99_ms: f64,
     /// How many probes the percentiles are taken over.
+    #[schemars(extend("format" = "int64"))]
     pub samples: u32,
 }
 
@@ -253,6 +255,9 @@ mod tests {
             json.contains("targetClusterName") && json.contains("\"status\""),
             "{json}"
         );
+        // The API server warns about formats it does not know (schemars
+        // writes uint16/uint32 for unsigned fields): only int32/int64 here.
+        assert!(!json.contains("\"format\":\"uint"), "{json}");
     }
 
     #[test]
