@@ -3,7 +3,6 @@
 //! sliding `ttl` window. A failing endpoint's retryable requests are retried;
 //! when everything fails, the budget runs dry and stops a retry storm.
 
-use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -28,11 +27,53 @@ impl Default for BudgetConfig {
     }
 }
 
+/// The window in slices: each counts the requests and retries of one
+/// `ttl / SLICES` of time, so a budget's memory is constant whatever the
+/// load (as Finagle's windowed counters).
+const SLICES: u64 = 10;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Slice {
+    /// Which slice of time since `origin` this one counts.
+    index: u64,
+    requests: u64,
+    retries: u64,
+}
+
 #[derive(Debug)]
 struct Window {
-    /// When each counted request and retry happened (oldest first).
-    requests: VecDeque<Instant>,
-    retries: VecDeque<Instant>,
+    origin: Instant,
+    slices: [Slice; SLICES as usize],
+}
+
+impl Window {
+    fn slice_length(ttl: Duration) -> Duration {
+        (ttl / SLICES as u32).max(Duration::from_millis(1))
+    }
+
+    /// The slice counting `now`, emptied first if it last counted an
+    /// older stretch of time.
+    fn current(&mut self, ttl: Duration, now: Instant) -> &mut Slice {
+        let index = (now.saturating_duration_since(self.origin).as_nanos()
+            / Self::slice_length(ttl).as_nanos()) as u64;
+        let slice = &mut self.slices[(index % SLICES) as usize];
+        if slice.index != index {
+            *slice = Slice {
+                index,
+                ..Slice::default()
+            };
+        }
+        slice
+    }
+
+    /// Requests and retries over the last `SLICES` slices up to `now`.
+    fn totals(&mut self, ttl: Duration, now: Instant) -> (u64, u64) {
+        let index = self.current(ttl, now).index;
+        self.slices
+            .iter()
+            .filter(|s| s.index + SLICES > index)
+            .fold((0, 0), |(q, r), s| (q + s.requests, r + s.retries))
+    }
 }
 
 /// One budget, shared by every request to one destination.
@@ -47,48 +88,26 @@ impl RetryBudget {
         Self {
             config,
             window: Mutex::new(Window {
-                requests: VecDeque::new(),
-                retries: VecDeque::new(),
+                origin: Instant::now(),
+                slices: [Slice::default(); SLICES as usize],
             }),
-        }
-    }
-
-    fn expire(&self, w: &mut Window, now: Instant) {
-        let ttl = self.config.ttl;
-        while w
-            .requests
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > ttl)
-        {
-            w.requests.pop_front();
-        }
-        while w
-            .retries
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > ttl)
-        {
-            w.retries.pop_front();
         }
     }
 
     /// Counts an original request (it earns retry allowance).
     pub fn deposit(&self, now: Instant) {
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
-        self.expire(&mut w, now);
-        // Bounded: a window never needs more entries than requests in it.
-        if w.requests.len() < 1_000_000 {
-            w.requests.push_back(now);
-        }
+        w.current(self.config.ttl, now).requests += 1;
     }
 
     /// Takes one retry from the budget; false when it is spent.
     pub fn withdraw(&self, now: Instant) -> bool {
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
-        self.expire(&mut w, now);
-        let allowed = self.config.ratio * w.requests.len() as f64
+        let (requests, retries) = w.totals(self.config.ttl, now);
+        let allowed = self.config.ratio * requests as f64
             + f64::from(self.config.min_per_second) * self.config.ttl.as_secs_f64();
-        if (w.retries.len() as f64) < allowed {
-            w.retries.push_back(now);
+        if (retries as f64) < allowed {
+            w.current(self.config.ttl, now).retries += 1;
             true
         } else {
             false
@@ -126,5 +145,31 @@ mod tests {
         // After the window, the old retries no longer count.
         let later = start + Duration::from_secs(11);
         assert!(budget.withdraw(later));
+    }
+
+    /// Requests and retries leave the window on their own schedules, slice
+    /// by slice.
+    #[test]
+    fn requests_and_retries_leave_the_window() {
+        let budget = RetryBudget::new(BudgetConfig {
+            ratio: 0.5,
+            min_per_second: 0,
+            ttl: Duration::from_secs(10),
+        });
+        let start = budget.window.lock().unwrap().origin;
+        let at = |s: u64| start + Duration::from_secs(s);
+        let granted = |s: u64| (0..1000).filter(|_| budget.withdraw(at(s))).count();
+        for _ in 0..100 {
+            budget.deposit(at(0));
+        }
+        assert_eq!(granted(5), 50);
+        // At 12 s the requests of 0 s have left, the retries of 5 s have not:
+        // 100 new requests allow 50, all taken.
+        for _ in 0..100 {
+            budget.deposit(at(12));
+        }
+        assert_eq!(granted(12), 0);
+        // At 16 s the retries of 5 s have left too.
+        assert_eq!(granted(16), 50);
     }
 }
