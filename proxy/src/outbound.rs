@@ -23,6 +23,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::protocol::PodRef;
+use strait_mesh::io::ClientTls;
 use strait_mesh::tunnel::quic::{GatewayClient, GatewayStream};
 use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader};
 use tokio::net::{TcpListener, TcpStream};
@@ -187,7 +188,6 @@ pub trait Destinations: LocalPods {
     fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool>;
 }
 
-use strait_mesh::io::ClientTls;
 pub use strait_mesh::tunnel::client::TunnelError;
 use strait_mesh::tunnel::client::{CONNECT_TIMEOUT, open_to_pod};
 
@@ -869,36 +869,40 @@ impl Outbound {
 
     fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
         let mut budgets = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(budget) = budgets.get(destination) {
-            return budget.clone();
-        }
-        budgets
-            .entry(destination.to_string())
-            .or_insert_with(|| Arc::new(RetryBudget::new(BudgetConfig::default())))
-            .clone()
+        get_or_insert(&mut budgets, destination, || {
+            Arc::new(RetryBudget::new(BudgetConfig::default()))
+        })
     }
 
     fn client_for(&self, caller: &Caller, id: &SpiffeId) -> Client<TunnelConnector, Body> {
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(client) = clients.get(id) {
-            return client.clone();
-        }
-        clients
-            .entry(id.clone())
-            .or_insert_with(|| {
-                let connector = TunnelConnector {
-                    source: caller.identity.clone(),
-                    destinations: self.destinations.clone(),
-                    opener: self.opener.clone(),
-                    remote_routes: self.remote_routes.clone(),
-                };
-                Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_max_idle_per_host(1024)
-                    .build(connector)
-            })
-            .clone()
+        get_or_insert(&mut clients, id, || {
+            let connector = TunnelConnector {
+                source: caller.identity.clone(),
+                destinations: self.destinations.clone(),
+                opener: self.opener.clone(),
+                remote_routes: self.remote_routes.clone(),
+            };
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .pool_max_idle_per_host(1024)
+                .build(connector)
+        })
     }
+}
+
+/// The value under `key`, made and inserted first if there is none; the
+/// key is copied only then (these lookups run per request).
+fn get_or_insert<K, Q, V>(map: &mut HashMap<K, V>, key: &Q, make: impl FnOnce() -> V) -> V
+where
+    K: std::borrow::Borrow<Q> + std::hash::Hash + Eq,
+    Q: ToOwned<Owned = K> + std::hash::Hash + Eq + ?Sized,
+    V: Clone,
+{
+    if let Some(value) = map.get(key) {
+        return value.clone();
+    }
+    map.entry(key.to_owned()).or_insert_with(make).clone()
 }
 
 /// Why a request got no response, and whether it never left (safe to send

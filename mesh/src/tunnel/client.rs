@@ -87,6 +87,25 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(stream)
 }
 
+/// Mutual TLS over `tcp` (to `node`) with a peer that must be `identity`;
+/// the socket is read ahead ([`ReadAhead`]).
+pub(crate) async fn connect_tls(
+    config: Arc<rustls::ClientConfig>,
+    tcp: TcpStream,
+    node: SocketAddr,
+    identity: &SpiffeId,
+) -> Result<ClientTls, TunnelError> {
+    let _ = tcp.set_nodelay(true);
+    tokio_rustls::TlsConnector::from(config)
+        .connect(server_name_for(identity), ReadAhead::new(tcp))
+        .await
+        .map_err(|source| TunnelError::Tls {
+            node,
+            identity: identity.clone(),
+            source,
+        })
+}
+
 /// Opens a tunnel to `pod` through the node proxy at `node`: TCP, mutual TLS
 /// (the config presents the caller; the server must be `identity`, named in
 /// SNI), the header (with `source` when speaking for someone else), and the
@@ -106,15 +125,7 @@ pub async fn open_to_pod(
             source: std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out"),
         })?
         .map_err(|source| TunnelError::Connect { node, source })?;
-    let _ = tcp.set_nodelay(true);
-    let tls = tokio_rustls::TlsConnector::from(config)
-        .connect(server_name_for(identity), ReadAhead::new(tcp))
-        .await
-        .map_err(|source| TunnelError::Tls {
-            node,
-            identity: identity.clone(),
-            source,
-        })?;
+    let tls = connect_tls(config, tcp, node, identity).await?;
     let target = Target::pod(pod).map_err(|e| TunnelError::Protocol(e.to_string(), node))?;
     let mut header = TunnelHeader::new(target, protocol);
     header.source = source;

@@ -576,14 +576,6 @@ impl GatewayClient {
                 return Err(timed_out());
             }
         };
-        let _ = tcp.set_nodelay(true);
-        tokio_rustls::TlsConnector::from(self.tcp_tls(identity)?)
-            .connect(server_name_for(identity), crate::io::ReadAhead::new(tcp))
-            .await
-            .map_err(|source| TunnelError::Tls {
-                node: addr,
-                identity: identity.clone(),
-                source,
-            })
+        super::client::connect_tls(self.tcp_tls(identity)?, tcp, addr, identity).await
     }
 }
