@@ -12,6 +12,11 @@
 //! per-request debug logs would cost what is measured; `STRAIT_BENCH_RATES=1000,10000`,
 //! `STRAIT_BENCH_SECS=10`; `STRAIT_BENCH_REPEAT=3` runs three interleaved rounds
 //! and adds their medians.)
+//!
+//! A/B of two proxy builds: `STRAIT_BENCH_PROXY_B=/path/to/strait-proxy` adds
+//! a path "strait-proxy B" to every round, the same mesh with every node's
+//! proxy restarted from that binary (and back), so both builds meet the same
+//! minutes of this shared machine.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -128,13 +133,18 @@ async fn main() {
         .map(|r| r.trim().parse().unwrap())
         .collect();
     let secs: u64 = env_or("STRAIT_BENCH_SECS", "10").parse().unwrap();
-    let mut mesh = start_mesh(2, Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await;
+    let proxy_a = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
+    let proxy_b = std::env::var_os("STRAIT_BENCH_PROXY_B").map(std::path::PathBuf::from);
+    if let Some(b) = &proxy_b {
+        assert!(b.is_file(), "STRAIT_BENCH_PROXY_B: no file {}", b.display());
+    }
+    let mut mesh = start_mesh(2, proxy_a).await;
     backend(&mut mesh, 1, "web-1", "web", &[]).await;
     add_client(&mut mesh, 0).await;
     service(&mesh.topology.cluster().client(), "web").await;
     let server = SocketAddr::new(IpAddr::V4(mesh.pods["web-1"].0.ip()), 8080);
     let node1 = mesh.topology.nodes()[0].ip();
-    let proxy_pids: Vec<u32> = mesh.proxies.iter().filter_map(|p| p.pid()).collect();
+    let pids = |mesh: &Mesh| -> Vec<u32> { mesh.proxies.iter().filter_map(|p| p.pid()).collect() };
     // Wait until the mesh path answers (discovery has the new service).
     let url = "http://web.shop.svc.cluster.local/bench";
     let _ = load(
@@ -159,7 +169,7 @@ async fn main() {
             }));
             runs.push(measured(
                 &format!("strait-proxy {rate:>6} rps"),
-                &proxy_pids,
+                &pids(&mesh),
                 || {
                     load(
                         &mesh,
@@ -171,6 +181,24 @@ async fn main() {
                     )
                 },
             ));
+            if let Some(b) = &proxy_b {
+                restart_proxies(&mut mesh, b).await;
+                runs.push(measured(
+                    &format!("strait-proxy B {rate:>6} rps"),
+                    &pids(&mesh),
+                    || {
+                        load(
+                            &mesh,
+                            SocketAddr::new(IpAddr::V4(node1), 4140),
+                            url,
+                            "web.shop",
+                            rate,
+                            secs,
+                        )
+                    },
+                ));
+                restart_proxies(&mut mesh, proxy_a).await;
+            }
             runs.push(measured(
                 &format!("haproxy+TLS {rate:>6} rps"),
                 &haproxy_pids,
@@ -247,10 +275,11 @@ async fn main() {
             "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12}",
             "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99"
         );
-        let per_round = 3 * rates.len();
+        let paths = if proxy_b.is_some() { 4 } else { 3 };
+        let per_round = paths * rates.len();
         for (i, first) in runs.iter().take(per_round).enumerate() {
             let same: Vec<&Run> = runs.iter().skip(i).step_by(per_round).collect();
-            let direct: Vec<&Run> = runs.iter().skip(i - i % 3).step_by(per_round).collect();
+            let direct: Vec<&Run> = runs.iter().skip(i - i % paths).step_by(per_round).collect();
             let added = |key: &str| {
                 median(
                     same.iter()

@@ -58,6 +58,38 @@ async fn a_pod_calls_a_service_on_other_nodes_through_the_node_proxies_over_mtls
         "requests spread over the pods on both nodes: {seen:?}"
     );
 
+    // Tunnels are pooled: a kept-alive client's requests share its tunnels,
+    // and a new client connection takes the tunnels an earlier one left.
+    // Without pooling these 30 requests would open 30 tunnels.
+    let nodes = mesh.topology.nodes().to_vec();
+    let tunnels_accepted = async || {
+        let mut sum = 0.0;
+        for node in &nodes[1..] {
+            let text = proxy_metrics(node).await;
+            sum += metric_sum(&text, "tcp_open_total", &["direction=\"inbound\""]);
+        }
+        sum
+    };
+    let before = tunnels_accepted().await;
+    let urls: Vec<String> = (0..20).map(|i| format!("{url}/kept-alive/{i}")).collect();
+    let out = curl(&mesh, &urls.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .matches("\"pod\"")
+            .count(),
+        20,
+        "every kept-alive request answered: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for i in 0..10 {
+        answered_by(&curl(&mesh, &[&format!("{url}/new-connection/{i}")])).unwrap();
+    }
+    let opened = tunnels_accepted().await - before;
+    assert!(
+        opened <= 4.0,
+        "30 requests opened {opened} tunnels: pooled tunnels were not reused"
+    );
+
     // CONNECT (any TCP): HTTP inside a CONNECT tunnel, and a short name.
     let out = curl(&mesh, &["-p", "http://web.shop:80/over-connect"]);
     assert!(

@@ -63,11 +63,6 @@ impl Drop for Mesh {
 /// hostPorts: the same node either way). Its token is bound to this pod on that
 /// node, as a DaemonSet pod's projected token is. Then the proxy process.
 pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
-    let index = mesh
-        .topology
-        .nodes()
-        .iter()
-        .position(|n| n.name() == node.name());
     let client = mesh.topology.cluster().client();
     let name = format!("strait-proxy-{}", node.name());
     let pod = strait_testenv::stack::node_proxy_pod(node.name());
@@ -82,6 +77,19 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
         .unwrap();
     let dir = mesh.dir.path().join(node.name());
     write_credentials(mesh, &dir, "strait-proxy", &name, &uid).await;
+    spawn_proxy(mesh, node, binary)
+}
+
+/// The proxy process for `node` (its Pod and credentials made by
+/// [`start_proxy`]): to start it again, or another build of it.
+pub fn spawn_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
+    let index = mesh
+        .topology
+        .nodes()
+        .iter()
+        .position(|n| n.name() == node.name());
+    let name = format!("strait-proxy-{}", node.name());
+    let dir = mesh.dir.path().join(node.name());
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let args = vec![
         format!("--node-name={}", node.name()),
@@ -352,19 +360,40 @@ pub async fn start_mesh_named(name: &str, nodes: usize, proxy: &Path, anchor: &P
         mesh.proxies.push(child);
     }
     for node in &nodes {
-        let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
-        eventually(&format!("proxy on {} ready", node.name()), WAIT, || async {
-            let out = http_get(admin, "/ready").await?;
-            if out.starts_with("HTTP/1.1 200") {
-                Ok(())
-            } else {
-                Err(out)
-            }
-        })
-        .await;
+        proxy_ready(node).await;
         mark_proxy_ready(&mesh, node, true).await;
     }
     mesh
+}
+
+/// Waits for the proxy on `node` to answer `/ready`.
+pub async fn proxy_ready(node: &NetNode) {
+    let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
+    eventually(&format!("proxy on {} ready", node.name()), WAIT, || async {
+        let out = http_get(admin, "/ready").await?;
+        if out.starts_with("HTTP/1.1 200") {
+            Ok(())
+        } else {
+            Err(out)
+        }
+    })
+    .await;
+}
+
+/// Replaces every node's proxy process with one of `binary` (benchmarks
+/// compare two builds on the same mesh), ready when this returns.
+pub async fn restart_proxies(mesh: &mut Mesh, binary: &Path) {
+    let nodes: Vec<NetNode> = mesh.topology.nodes().to_vec();
+    for proxy in &mut mesh.proxies {
+        proxy.stop(std::time::Duration::from_secs(3));
+    }
+    mesh.proxies = nodes
+        .iter()
+        .map(|node| spawn_proxy(mesh, node, binary))
+        .collect();
+    for node in &nodes {
+        proxy_ready(node).await;
+    }
 }
 
 /// The client pod (SA `client`) on node `node`.
