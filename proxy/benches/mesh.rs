@@ -167,36 +167,16 @@ async fn main() {
             runs.push(measured(&format!("direct {rate:>6} rps"), &[], || {
                 load(&mesh, server, "/bench", "web.shop", rate, secs)
             }));
-            runs.push(measured(
-                &format!("strait-proxy {rate:>6} rps"),
-                &pids(&mesh),
-                || {
-                    load(
-                        &mesh,
-                        SocketAddr::new(IpAddr::V4(node1), 4140),
-                        url,
-                        "web.shop",
-                        rate,
-                        secs,
-                    )
-                },
-            ));
+            let through_strait = |mesh: &Mesh, label: &str| {
+                measured(&format!("{label} {rate:>6} rps"), &pids(mesh), || {
+                    let entry = SocketAddr::new(IpAddr::V4(node1), 4140);
+                    load(mesh, entry, url, "web.shop", rate, secs)
+                })
+            };
+            runs.push(through_strait(&mesh, "strait-proxy"));
             if let Some(b) = &proxy_b {
                 restart_proxies(&mut mesh, b).await;
-                runs.push(measured(
-                    &format!("strait-proxy B {rate:>6} rps"),
-                    &pids(&mesh),
-                    || {
-                        load(
-                            &mesh,
-                            SocketAddr::new(IpAddr::V4(node1), 4140),
-                            url,
-                            "web.shop",
-                            rate,
-                            secs,
-                        )
-                    },
-                ));
+                runs.push(through_strait(&mesh, "strait-proxy B"));
                 restart_proxies(&mut mesh, proxy_a).await;
             }
             runs.push(measured(

@@ -369,7 +369,12 @@ pub async fn start_mesh_named(name: &str, nodes: usize, proxy: &Path, anchor: &P
 /// Waits for the proxy on `node` to answer `/ready`.
 pub async fn proxy_ready(node: &NetNode) {
     let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
-    eventually(&format!("proxy on {} ready", node.name()), WAIT, || async {
+    admin_ready(admin, &format!("proxy on {} ready", node.name())).await;
+}
+
+/// Waits for a component's admin port (`admin`) to answer `/ready`.
+pub async fn admin_ready(admin: SocketAddr, what: &str) {
+    eventually(what, WAIT, || async {
         let out = http_get(admin, "/ready").await?;
         if out.starts_with("HTTP/1.1 200") {
             Ok(())
@@ -565,15 +570,10 @@ pub async fn spawn_gateway(mesh: &Mesh, pod: &NetPod, extra: &[&str]) -> ChildPr
             &dir.join("gateway.log"),
         )
         .unwrap();
-    let admin = SocketAddr::new(IpAddr::V4(pod.ip()), 4191);
-    eventually("the gateway is ready", WAIT, || async {
-        let out = http_get(admin, "/ready").await?;
-        if out.starts_with("HTTP/1.1 200") {
-            Ok(())
-        } else {
-            Err(out)
-        }
-    })
+    admin_ready(
+        SocketAddr::new(IpAddr::V4(pod.ip()), 4191),
+        "the gateway is ready",
+    )
     .await;
     child
 }
