@@ -144,17 +144,11 @@ async fn main() {
     service(&mesh.topology.cluster().client(), "web").await;
     let server = SocketAddr::new(IpAddr::V4(mesh.pods["web-1"].0.ip()), 8080);
     let node1 = mesh.topology.nodes()[0].ip();
+    let strait_entry = SocketAddr::new(IpAddr::V4(node1), 4140);
     let pids = |mesh: &Mesh| -> Vec<u32> { mesh.proxies.iter().filter_map(|p| p.pid()).collect() };
     // Wait until the mesh path answers (discovery has the new service).
     let url = "http://web.shop.svc.cluster.local/bench";
-    let _ = load(
-        &mesh,
-        SocketAddr::new(IpAddr::V4(node1), 4140),
-        url,
-        "web.shop",
-        50,
-        3,
-    );
+    let _ = load(&mesh, strait_entry, url, "web.shop", 50, 3);
     let haproxy = haproxy::start(&mesh, server, haproxy::Mode::Http);
     let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
 
@@ -169,8 +163,7 @@ async fn main() {
             }));
             let through_strait = |mesh: &Mesh, label: &str| {
                 measured(&format!("{label} {rate:>6} rps"), &pids(mesh), || {
-                    let entry = SocketAddr::new(IpAddr::V4(node1), 4140);
-                    load(mesh, entry, url, "web.shop", rate, secs)
+                    load(mesh, strait_entry, url, "web.shop", rate, secs)
                 })
             };
             runs.push(through_strait(&mesh, "strait-proxy"));
@@ -255,8 +248,9 @@ async fn main() {
             "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12}",
             "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99"
         );
-        let paths = if proxy_b.is_some() { 4 } else { 3 };
-        let per_round = paths * rates.len();
+        // Each rate's paths in a round: direct first, as pushed above.
+        let per_round = runs.len() / repeat;
+        let paths = per_round / rates.len();
         for (i, first) in runs.iter().take(per_round).enumerate() {
             let same: Vec<&Run> = runs.iter().skip(i).step_by(per_round).collect();
             let direct: Vec<&Run> = runs.iter().skip(i - i % paths).step_by(per_round).collect();
