@@ -6,8 +6,11 @@
 //! node 2 → iperf3 server pod. Both of iperf3's connections, control and data,
 //! go through CONNECT. The same again with iperf3 speaking CONNECT itself
 //! (proxychains), no shim in the path. Last, the reference: a pair of haproxy
-//! in TCP mode with TLS (client certificates) between the nodes. Reports
-//! Gbit/s and the proxies' CPU seconds (for the last rows, haproxy's).
+//! in TCP mode with TLS (client certificates) between the nodes; and the
+//! floor for any pair of proxies, the same pair as a null relay (no TLS, the
+//! kernel's `splice` between the sockets: no byte enters either process).
+//! Reports Gbit/s, the proxies' CPU seconds (for the last rows, haproxy's)
+//! and how long the machine's tasks waited for a CPU (`support/machine.rs`).
 //!
 //!     bash scripts/bench-bulk.sh
 //!
@@ -19,6 +22,8 @@
 mod common;
 #[path = "support/haproxy.rs"]
 mod haproxy;
+#[path = "support/machine.rs"]
+mod machine;
 
 use std::net::Ipv4Addr;
 use std::path::Path;
@@ -42,6 +47,7 @@ struct Run {
     retransmits: u64,
     proxy_cpu: f64,
     shim_cpu: f64,
+    machine: machine::Usage,
 }
 
 fn spawn(pod: &NetPod, mesh: &Mesh, name: &str, program: &str, args: &[String]) -> ChildProcess {
@@ -64,7 +70,9 @@ fn measured(
     let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
     let shim: Vec<u32> = shim.into_iter().collect();
     let (proxy_before, shim_before) = (cpu(proxies), cpu(&shim));
+    let machine_before = machine::Reading::now();
     let (gbits, retransmits) = run().unwrap_or_else(|e| panic!("{label}: {e}"));
+    let machine = machine_before.since();
     // socat reaps its per-connection children once they are done.
     std::thread::sleep(Duration::from_millis(300));
     Run {
@@ -75,6 +83,7 @@ fn measured(
         // socat forks a child per connection: the listener's CPU plus its
         // children's is in the children's own /proc entries, so count them too.
         shim_cpu: cpu(&shim) - shim_before + children_cpu(&shim),
+        machine,
     }
 }
 
@@ -222,13 +231,25 @@ async fn main() {
         ));
     }
 
-    {
-        // The reference: a pair of haproxy (TCP mode, TLS with client
-        // certificates between the nodes), which iperf3 reaches directly.
+    // The reference: a pair of haproxy (TCP mode, TLS with client
+    // certificates between the nodes), which iperf3 reaches directly; then
+    // the floor, the same pair as a null relay.
+    for (mode, label, reverse_label) in [
+        (
+            haproxy::Mode::Tcp,
+            "haproxy+TLS pair (TCP)",
+            "haproxy+TLS, server sending",
+        ),
+        (
+            haproxy::Mode::Relay,
+            "null relay pair (splice)",
+            "null relay, server sending",
+        ),
+    ] {
         let pair = haproxy::start(
             &mesh,
             std::net::SocketAddr::new(server_ip.into(), IPERF_PORT),
-            haproxy::Mode::Tcp,
+            mode,
         );
         let pids: Vec<u32> = pair.iter().filter_map(|p| p.pid()).collect();
         let entry = node_ip.to_string();
@@ -237,34 +258,41 @@ async fn main() {
             if reverse {
                 command.arg("-R");
             }
-            iperf_with(command, &entry, haproxy::ENTRY_PORT, secs)
+            iperf_with(command, &entry, mode.entry_port(), secs)
         };
         eventually("iperf3 answers through the haproxy pair", WAIT, || async {
             iperf_pair(1, false)
         })
         .await;
-        runs.push(measured("haproxy+TLS pair (TCP)", &pids, None, || {
-            iperf_pair(secs, false)
-        }));
-        runs.push(measured("the same, server sending", &pids, None, || {
+        runs.push(measured(label, &pids, None, || iperf_pair(secs, false)));
+        runs.push(measured(reverse_label, &pids, None, || {
             iperf_pair(secs, true)
         }));
     }
 
     let raw = runs[0].gbits;
     println!(
-        "\n{:<28} {:>8} {:>9} {:>8} {:>16} {:>10}",
-        "path (one TCP stream)", "Gbit/s", "of raw", "retrans", "proxies CPU s", "socat CPU s"
+        "\n{:<28} {:>8} {:>9} {:>8} {:>16} {:>10} {:>6} {:>6}",
+        "path (one TCP stream)",
+        "Gbit/s",
+        "of raw",
+        "retrans",
+        "proxies CPU s",
+        "socat CPU s",
+        "wait%",
+        "steal%"
     );
     for r in &runs {
         println!(
-            "{:<28} {:>8.2} {:>8.0}% {:>8} {:>16.2} {:>10.2}",
+            "{:<28} {:>8.2} {:>8.0}% {:>8} {:>16.2} {:>10.2} {:>6} {:>6.1}",
             r.label,
             r.gbits,
             100.0 * r.gbits / raw,
             r.retransmits,
             r.proxy_cpu,
-            r.shim_cpu
+            r.shim_cpu,
+            machine::percent_text(r.machine.cpu_wait),
+            r.machine.steal
         );
     }
     println!(

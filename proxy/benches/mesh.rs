@@ -3,7 +3,11 @@
 //! (mTLS between the nodes), and client → haproxy → haproxy → server (TLS with
 //! client certificates between the nodes). Open-loop load at fixed rates with
 //! `strait-load` (100 connections, 1 KiB request bodies); CPU and RSS of the
-//! two proxies of each pair while the load runs.
+//! two proxies of each pair while the load runs, and how long the machine's
+//! tasks waited for a CPU (`support/machine.rs`). A fourth path is the floor
+//! for any pair of proxies here: the haproxy pair as a null relay (TCP, no
+//! TLS, kernel `splice`), two more processes in the path that do nothing but
+//! pass bytes on.
 //!
 //!     bash scripts/bench-proxy.sh
 //!
@@ -22,6 +26,8 @@
 mod common;
 #[path = "support/haproxy.rs"]
 mod haproxy;
+#[path = "support/machine.rs"]
+mod machine;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -41,6 +47,7 @@ struct Run {
     /// CPU seconds of each measured process (node 1's first).
     cpu: Vec<f64>,
     rss_kib: u64,
+    machine: machine::Usage,
 }
 
 impl Run {
@@ -105,7 +112,9 @@ fn load(
 
 fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
     let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
+    let machine_before = machine::Reading::now();
     let report = run();
+    let machine = machine_before.since();
     let cpu = pids
         .iter()
         .zip(before)
@@ -116,6 +125,7 @@ fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) 
         report,
         cpu,
         rss_kib: pids.iter().map(|p| rss_kib(*p)).sum(),
+        machine,
     }
 }
 
@@ -151,6 +161,14 @@ async fn main() {
     let _ = load(&mesh, strait_entry, url, "web.shop", 50, 3);
     let haproxy = haproxy::start(&mesh, server, haproxy::Mode::Http);
     let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
+    let relay = haproxy::start(&mesh, server, haproxy::Mode::Relay);
+    let relay_pids: Vec<u32> = relay.iter().filter_map(|p| p.pid()).collect();
+    let through_haproxy = |mesh: &Mesh, label: &str, pids: &[u32], mode: haproxy::Mode, rate| {
+        let entry = SocketAddr::new(IpAddr::V4(node1), mode.entry_port());
+        measured(&format!("{label} {rate:>6} rps"), pids, || {
+            load(mesh, entry, "/bench", "web.shop", rate, secs)
+        })
+    };
 
     let repeat: usize = env_or("STRAIT_BENCH_REPEAT", "1").parse().unwrap();
     let mut runs = Vec::new();
@@ -172,28 +190,28 @@ async fn main() {
                 runs.push(through_strait(&mesh, "strait-proxy B"));
                 restart_proxies(&mut mesh, proxy_a).await;
             }
-            runs.push(measured(
-                &format!("haproxy+TLS {rate:>6} rps"),
+            runs.push(through_haproxy(
+                &mesh,
+                "haproxy+TLS",
                 &haproxy_pids,
-                || {
-                    load(
-                        &mesh,
-                        SocketAddr::new(IpAddr::V4(node1), haproxy::ENTRY_PORT),
-                        "/bench",
-                        "web.shop",
-                        rate,
-                        secs,
-                    )
-                },
+                haproxy::Mode::Http,
+                rate,
+            ));
+            runs.push(through_haproxy(
+                &mesh,
+                "null relay",
+                &relay_pids,
+                haproxy::Mode::Relay,
+                rate,
             ));
         }
     }
     // A broken comparison must say why, not print zeros.
-    if runs
-        .iter()
-        .any(|r| r.label.starts_with("haproxy") && r.report["errors"].as_u64() != Some(0))
-    {
-        for h in &haproxy {
+    if runs.iter().any(|r| {
+        (r.label.starts_with("haproxy") || r.label.starts_with("null"))
+            && r.report["errors"].as_u64() != Some(0)
+    }) {
+        for h in haproxy.iter().chain(&relay) {
             eprintln!(
                 "──── {} ────\n{}",
                 h.name(),
@@ -202,7 +220,7 @@ async fn main() {
         }
     }
     println!(
-        "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>11} {:>15} {:>8}",
+        "\n{:<26} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7} {:>11} {:>15} {:>8} {:>6} {:>6}",
         "path",
         "achieved",
         "p50 ms",
@@ -212,7 +230,9 @@ async fn main() {
         "errors",
         "CPU/1k rps",
         "node 1 + node 2",
-        "RSS MiB"
+        "RSS MiB",
+        "wait%",
+        "steal%"
     );
     for r in &runs {
         let each = r.per_k(secs);
@@ -228,7 +248,7 @@ async fn main() {
             )
         };
         println!(
-            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>11} {:>15} {:>8.1}",
+            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>11} {:>15} {:>8.1} {:>6} {:>6.1}",
             r.label,
             r.report["achieved_rps"].as_f64().unwrap_or(0.0),
             r.ms("p50_ms"),
@@ -238,15 +258,17 @@ async fn main() {
             r.report["errors"],
             total,
             split,
-            r.rss_kib as f64 / 1024.0
+            r.rss_kib as f64 / 1024.0,
+            machine::percent_text(r.machine.cpu_wait),
+            r.machine.steal
         );
     }
     if repeat > 1 {
         // Medians over the rounds; "added" is against the direct path of
         // the same round.
         println!(
-            "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12}",
-            "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99"
+            "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12} {:>6}",
+            "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99", "wait%"
         );
         // Each rate's paths in a round: direct first, as pushed above.
         let per_round = runs.len() / repeat;
@@ -278,16 +300,20 @@ async fn main() {
                     format!("{:.3} / {:.3}", node(0), node(1)),
                 )
             };
+            let waits: Vec<f64> = same.iter().filter_map(|r| r.machine.cpu_wait).collect();
+            let wait = (!waits.is_empty()).then(|| median(waits));
             println!(
-                "{:>28}{:<22} {:>11} {:>15} {:>9.2} ms {:>9.2} ms",
+                "{:>28}{:<22} {:>11} {:>15} {:>9.2} ms {:>9.2} ms {:>6}",
                 "",
                 first.label,
                 cpu,
                 split,
                 added("p50_ms"),
-                added("p99_ms")
+                added("p99_ms"),
+                machine::percent_text(wait)
             );
         }
     }
     drop(haproxy);
+    drop(relay);
 }

@@ -2,6 +2,11 @@
 //! plain traffic in and speaks TLS with a client certificate to node 2,
 //! which requires that certificate and forwards in the clear to the pod.
 //! Certificates come from the mesh's own issuer.
+//!
+//! [`Mode::Relay`] is the floor instead: the same pair as a null relay (TCP,
+//! no TLS, the kernel's `splice` between the sockets, so no byte is copied
+//! into either process): what any pair of proxies costs on this machine
+//! before it does any work of its own.
 // Each benchmark uses one of the modes.
 #![allow(dead_code)]
 
@@ -16,21 +21,38 @@ use strait_testenv::process::ChildProcess;
 use crate::common::Mesh;
 
 /// What the pair forwards: HTTP requests (kept-alive, reused connections
-/// between the two) or plain TCP streams.
+/// between the two) or plain TCP streams, over TLS; or TCP streams with
+/// neither TLS nor copies (the null relay).
 #[derive(Clone, Copy)]
 pub enum Mode {
     Http,
     Tcp,
+    Relay,
 }
 
-/// Port of the pair's entry on node 1 (plain) and of node 2 (TLS).
-pub const ENTRY_PORT: u16 = 4240;
-const TLS_PORT: u16 = 4243;
+impl Mode {
+    /// Port of the pair's entry on node 1 (plain); each mode has its own,
+    /// so pairs of different modes run side by side.
+    pub fn entry_port(self) -> u16 {
+        match self {
+            Mode::Http | Mode::Tcp => 4240,
+            Mode::Relay => 4250,
+        }
+    }
+
+    /// Port of node 2's end (TLS, except for the relay).
+    fn inner_port(self) -> u16 {
+        self.entry_port() + 3
+    }
+}
 
 /// Starts the pair in front of `backend`; clients connect to node 1 at
-/// [`ENTRY_PORT`].
+/// [`Mode::entry_port`].
 pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> {
-    let dir = mesh.dir.path().join("haproxy");
+    let dir = mesh.dir.path().join(match mode {
+        Mode::Relay => "haproxy-relay",
+        _ => "haproxy",
+    });
     std::fs::create_dir_all(&dir).unwrap();
     let issuer_pem = mesh.issuer_pair.cert_pem.clone();
     let signer = LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem).unwrap();
@@ -63,22 +85,35 @@ pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> 
     std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();
     let nodes = mesh.topology.nodes();
     let (n1, n2) = (nodes[0].ip(), nodes[1].ip());
-    let (mode, alpn) = match mode {
+    let (entry, inner) = (mode.entry_port(), mode.inner_port());
+    let (proxy_mode, alpn) = match mode {
         Mode::Http => ("http\n  http-reuse always", " alpn http/1.1"),
         Mode::Tcp => ("tcp", ""),
+        Mode::Relay => ("tcp\n  option splice-request\n  option splice-response", ""),
+    };
+    let (client_tls, server_tls) = match mode {
+        Mode::Relay => (String::new(), String::new()),
+        _ => (
+            format!(
+                " ssl verify required ca-file {} crt {}{alpn}",
+                ca.display(),
+                client_pem.display()
+            ),
+            format!(
+                " ssl crt {} ca-file {} verify required{alpn}",
+                server_pem.display(),
+                ca.display()
+            ),
+        ),
     };
     let common = format!(
-        "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+        "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode {proxy_mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
     );
     let front = format!(
-        "{common}frontend f\n  bind {n1}:{ENTRY_PORT}\n  default_backend b\nbackend b\n  server s {n2}:{TLS_PORT} ssl verify required ca-file {} crt {}{alpn}\n",
-        ca.display(),
-        client_pem.display()
+        "{common}frontend f\n  bind {n1}:{entry}\n  default_backend b\nbackend b\n  server s {n2}:{inner}{client_tls}\n"
     );
     let back = format!(
-        "{common}frontend f\n  bind {n2}:{TLS_PORT} ssl crt {} ca-file {} verify required{alpn}\n  default_backend b\nbackend b\n  server s {backend}\n",
-        server_pem.display(),
-        ca.display()
+        "{common}frontend f\n  bind {n2}:{inner}{server_tls}\n  default_backend b\nbackend b\n  server s {backend}\n"
     );
     let mut children = Vec::new();
     for (i, (node, cfg)) in [(&nodes[0], front), (&nodes[1], back)]
