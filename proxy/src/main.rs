@@ -72,11 +72,34 @@ struct Args {
     /// linkerd2-proxy runs on one core); N = N worker threads.
     #[arg(long, env = "STRAIT_PROXY_WORKERS", default_value_t = 0)]
     workers: usize,
+    /// How the threads share the work: `per-core` = each thread a
+    /// single-threaded runtime with its own listeners (SO_REUSEPORT: the
+    /// kernel spreads connections over them) and its own tunnel pools, as
+    /// Envoy's workers: a connection never leaves its thread; `shared` = one
+    /// work-stealing runtime for all threads.
+    #[arg(
+        long,
+        env = "STRAIT_PROXY_RUNTIME",
+        value_enum,
+        default_value = "per-core"
+    )]
+    runtime: RuntimeModel,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum RuntimeModel {
+    Shared,
+    PerCore,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let threads = match args.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let mut runtime = match args.workers {
+        _ if args.runtime == RuntimeModel::PerCore => tokio::runtime::Builder::new_current_thread(),
         1 => tokio::runtime::Builder::new_current_thread(),
         n => {
             let mut builder = tokio::runtime::Builder::new_multi_thread();
@@ -90,10 +113,10 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the runtime")?
-        .block_on(run(args))
+        .block_on(run(args, threads))
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     let metrics = ProxyMetrics::new(&args.cluster_name);
     let identity_metrics = IdentityMetrics::default();
@@ -127,12 +150,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let view = Arc::new(MeshView::new(discovery.clone()));
 
     let (drain, start_drain) = Drain::new();
-    let outbound_listener = tokio::net::TcpListener::bind(args.outbound_addr)
-        .await
-        .with_context(|| format!("binding outbound {}", args.outbound_addr))?;
-    let inbound_listener = tokio::net::TcpListener::bind(args.inbound_addr)
-        .await
-        .with_context(|| format!("binding inbound {}", args.inbound_addr))?;
+    let per_core = args.runtime == RuntimeModel::PerCore;
+    let (outbound_listener, inbound_listener) = bind(&args, per_core)?;
     // Mirror traffic: one QUIC connection per remote gateway, as this proxy.
     let gateways =
         strait_mesh::tunnel::quic::GatewayClient::new(identities.bundle().clone(), own.cert())
@@ -144,17 +163,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         metrics.clone(),
         Some(gateways),
     );
-    // Latency statistics of endpoints that are gone are forgotten (bounded memory).
-    let (pools, mut updates) = (outbound.clone(), discovery.updates());
-    tokio::spawn(async move {
-        while updates.changed().await.is_ok() {
-            let snapshot = updates.borrow_and_update().clone();
-            pools
-                .balancer
-                .retain(|addr| snapshot.pod(addr.ip()).is_some());
-            pools.retain_h2(|addr| snapshot.pod(addr.ip()).is_some());
-        }
-    });
+    forget_gone(outbound.clone(), discovery.updates());
     if let Some(path) = &args.enroll_socket {
         let upstream = args.dns_upstream.or_else(|| {
             std::fs::read_to_string("/etc/resolv.conf")
@@ -177,6 +186,59 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pods: view,
         metrics,
     });
+    if per_core {
+        // This thread serves too: threads - 1 more, each with its own
+        // runtime, listeners and pools.
+        for worker in 1..threads {
+            let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+            let (args, outbound, updates, inbound, drain) = (
+                (args.outbound_addr, args.inbound_addr),
+                outbound.worker(),
+                discovery.updates(),
+                inbound.clone(),
+                drain.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("strait-worker-{worker}"))
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(anyhow::Error::from(e)));
+                            return;
+                        }
+                    };
+                    runtime.block_on(async move {
+                        let (outbound_listener, inbound_listener) = match listener(args.0, true)
+                            .and_then(|o| Ok((o, listener(args.1, true)?)))
+                        {
+                            Ok(listeners) => listeners,
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e));
+                                return;
+                            }
+                        };
+                        forget_gone(outbound.clone(), updates);
+                        tokio::spawn(outbound.serve(outbound_listener, drain.clone()));
+                        tokio::spawn(inbound.serve(inbound_listener, drain));
+                        let _ = ready_tx.send(Ok(()));
+                        // The listeners stop at the drain; the connections
+                        // they accepted run on until they finish or the
+                        // process exits (the main thread waits for the
+                        // drain): the runtime must outlive them.
+                        std::future::pending::<()>().await;
+                    });
+                })
+                .context("starting a worker thread")?;
+            ready_rx
+                .await
+                .context("a worker thread stopped while starting")?
+                .with_context(|| format!("starting worker thread {worker}"))?;
+        }
+    }
     tokio::spawn(outbound.serve(outbound_listener, drain.clone()));
     let inbound_task = tokio::spawn(inbound.serve(inbound_listener, drain.clone()));
     readiness.set_ready(true);
@@ -201,4 +263,51 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Forgets the latency statistics and HTTP/2 connections of endpoints that
+/// are gone (bounded memory), on the calling thread's runtime.
+fn forget_gone(
+    outbound: Arc<Outbound>,
+    mut updates: tokio::sync::watch::Receiver<Arc<strait_mesh::discovery::Snapshot>>,
+) {
+    tokio::spawn(async move {
+        while updates.changed().await.is_ok() {
+            let snapshot = updates.borrow_and_update().clone();
+            outbound
+                .balancer
+                .retain(|addr| snapshot.pod(addr.ip()).is_some());
+            outbound.retain_h2(|addr| snapshot.pod(addr.ip()).is_some());
+        }
+    });
+}
+
+/// The outbound and inbound listeners of this thread; with SO_REUSEPORT when
+/// every thread has its own.
+fn bind(
+    args: &Args,
+    per_core: bool,
+) -> anyhow::Result<(tokio::net::TcpListener, tokio::net::TcpListener)> {
+    Ok((
+        listener(args.outbound_addr, per_core).context("binding outbound")?,
+        listener(args.inbound_addr, per_core).context("binding inbound")?,
+    ))
+}
+
+/// A listener on `addr` (SO_REUSEADDR, as tokio's `bind`), registered with
+/// the calling thread's runtime; `shared`: other threads' listeners share
+/// the address (SO_REUSEPORT) and the kernel spreads connections over them.
+fn listener(addr: SocketAddr, shared: bool) -> anyhow::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    if shared {
+        socket.set_reuse_port(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket
+        .bind(&addr.into())
+        .with_context(|| format!("binding {addr}"))?;
+    socket.listen(1024)?;
+    Ok(tokio::net::TcpListener::from_std(socket.into())?)
 }

@@ -263,8 +263,9 @@ pub struct Outbound {
     clients: Mutex<HashMap<SpiffeId, Client<TunnelConnector, Body>>>,
     /// HTTP/2 connections (one multiplexed tunnel per caller and pod).
     h2: Mutex<HashMap<(SpiffeId, String), hyper::client::conn::http2::SendRequest<Body>>>,
-    /// One retry budget per destination (`host:port` as the caller named it).
-    budgets: Mutex<HashMap<String, Arc<RetryBudget>>>,
+    /// One retry budget per destination (`host:port` as the caller named it),
+    /// shared by every worker thread's `Outbound`: the budget is the proxy's.
+    budgets: Arc<Mutex<HashMap<String, Arc<RetryBudget>>>>,
 }
 
 /// Everything known about the pod that opened a connection to us.
@@ -308,7 +309,30 @@ impl Outbound {
             balancer: Balancer::default(),
             clients: Mutex::new(HashMap::new()),
             h2: Mutex::new(HashMap::new()),
-            budgets: Mutex::new(HashMap::new()),
+            budgets: Arc::default(),
+        })
+    }
+
+    /// The `Outbound` of another worker thread (`--runtime=per-core`): the
+    /// same identities, destinations, metrics, gateway client and retry
+    /// budgets; its own balancer statistics, pools and TLS configs, so a
+    /// request never touches another thread's connections.
+    pub fn worker(&self) -> Arc<Self> {
+        Arc::new(Self {
+            node: self.node.clone(),
+            opener: Opener {
+                identities: self.identities.clone(),
+                configs: Arc::default(),
+                gateways: self.opener.gateways.clone(),
+            },
+            remote_routes: Arc::default(),
+            identities: self.identities.clone(),
+            destinations: self.destinations.clone(),
+            metrics: self.metrics.clone(),
+            balancer: Balancer::default(),
+            clients: Mutex::new(HashMap::new()),
+            h2: Mutex::new(HashMap::new()),
+            budgets: self.budgets.clone(),
         })
     }
 

@@ -103,10 +103,16 @@ pub fn spawn_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
         format!("--enroll-socket={}", s(&enroll_socket(mesh, node))),
     ];
     let mut args = args;
-    // Tests run the second node's proxy on the single-threaded runtime, so
-    // every multi-node test covers both (benchmarks keep the default).
-    if index == Some(1) && MIXED_RUNTIMES.load(std::sync::atomic::Ordering::Relaxed) {
-        args.push("--workers=1".to_string());
+    // Tests run the second node's proxy on one thread and the third's on
+    // the shared work-stealing runtime, the first's per core (the default),
+    // so every test with three nodes covers all three (benchmarks keep the
+    // default).
+    if MIXED_RUNTIMES.load(std::sync::atomic::Ordering::Relaxed) {
+        match index {
+            Some(1) => args.push("--workers=1".to_string()),
+            Some(2) => args.push("--runtime=shared".to_string()),
+            _ => {}
+        }
     }
     let kubeconfig_path = dir.join("kubeconfig");
     // Tests want the proxy's debug logs; the benchmark sets STRAIT_PROXY_LOG=warn.
@@ -292,7 +298,8 @@ pub async fn ensure_sa(client: &Client, ns: &str, sa: &str) {
 /// A cluster of `nodes` network-namespace nodes, the issuer, and a node proxy
 /// (`proxy` binary) ready on every node; no workloads yet.
 /// Whether [`start_proxy`] runs the second node's proxy single-threaded
-/// (`--workers=1`); benchmarks call [`uniform_runtimes`].
+/// (`--workers=1`) and the third's on the shared runtime; benchmarks call
+/// [`uniform_runtimes`].
 static MIXED_RUNTIMES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Every proxy on the default runtime (for benchmarks; the proxies also
