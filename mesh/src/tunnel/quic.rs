@@ -50,6 +50,9 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// How long a QUIC handshake may take before the client falls back to TCP.
 pub const QUIC_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a fresh QUIC handshake runs alone before the TCP fallback
+/// starts next to it ([`GatewayClient::open`]).
+pub const QUIC_HEAD_START: Duration = Duration::from_millis(500);
 /// UDP socket buffers asked of the kernel (it may cap them at net.core.*mem_max).
 pub const SOCKET_BUFFER: usize = 8 * 1024 * 1024;
 
@@ -247,6 +250,13 @@ pub struct GatewayClient {
     tcp_configs: Mutex<HashMap<SpiffeId, Arc<rustls::ClientConfig>>>,
 }
 
+/// See [`GatewayClient::quic_now`].
+enum QuicNow {
+    Live(quinn::Connection),
+    Down,
+    Connect,
+}
+
 impl GatewayClient {
     pub fn new(bundle: TrustBundle, cert: Arc<CertSlot>) -> std::io::Result<Arc<Self>> {
         let endpoint = endpoint("0.0.0.0:0".parse().expect("valid"), None)?;
@@ -373,26 +383,64 @@ impl GatewayClient {
         identity: &SpiffeId,
         header: &TunnelHeader,
     ) -> Result<GatewayStream, TunnelError> {
-        if let Some(connection) = self.quic_connection(addr, identity).await {
-            match connection.open_bi().await {
+        match self.quic_now(addr, identity) {
+            QuicNow::Live(connection) => match connection.open_bi().await {
                 Ok((send, recv)) => {
                     let stream = tokio::io::join(recv, send);
                     return handshake(GatewayStream::Quic(stream), header, addr).await;
                 }
                 Err(e) => {
-                    tracing::debug!(%addr, "QUIC stream: {e}; reconnecting");
+                    tracing::debug!(%addr, "QUIC stream: {e}; reconnecting or falling back");
                     self.forget(addr, identity, &connection);
-                    if let Some(connection) = self.quic_connection(addr, identity).await
-                        && let Ok((send, recv)) = connection.open_bi().await
-                    {
-                        let stream = tokio::io::join(recv, send);
-                        return handshake(GatewayStream::Quic(stream), header, addr).await;
-                    }
                 }
+            },
+            QuicNow::Down => {
+                let stream = self.tcp_stream(addr, identity).await?;
+                return handshake(stream, header, addr).await;
             }
+            QuicNow::Connect => {}
         }
-        let stream = self.tcp_stream(addr, identity).await?;
+        let stream = self.connect_either(addr, identity).await?;
         handshake(stream, header, addr).await
+    }
+
+    /// A fresh QUIC connection, and the TCP fallback if QUIC has not
+    /// connected within [`QUIC_HEAD_START`]: the first stream that opens
+    /// wins (happy eyeballs, QUIC preferred). Tried one after the other, a gateway that
+    /// vanished cost the QUIC handshake timeout plus the TCP connect timeout
+    /// (on top of the idle timeout a request on the dead connection had
+    /// already waited); raced, the longer of the two.
+    async fn connect_either(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        identity: &SpiffeId,
+    ) -> Result<GatewayStream, TunnelError> {
+        // The handshake runs as a task of its own: when TCP wins, it still
+        // finishes and records whether QUIC works (the connection for the
+        // next streams, or the backoff that sends them straight to TCP).
+        let this = self.clone();
+        let id = identity.clone();
+        let handshake = tokio::spawn(async move { this.connect_quic(addr, &id).await });
+        let quic = async {
+            let connection = handshake.await.ok()??;
+            let (send, recv) = connection.open_bi().await.ok()?;
+            Some(GatewayStream::Quic(tokio::io::join(recv, send)))
+        };
+        let tcp = async {
+            tokio::time::sleep(QUIC_HEAD_START).await;
+            self.tcp_stream(addr, identity).await
+        };
+        tokio::pin!(quic, tcp);
+        tokio::select! {
+            quic_stream = &mut quic => match quic_stream {
+                Some(stream) => Ok(stream),
+                None => tcp.await,
+            },
+            tcp_stream = &mut tcp => match tcp_stream {
+                Ok(stream) => Ok(stream),
+                Err(e) => quic.await.ok_or(e),
+            },
+        }
     }
 
     /// Which transport new streams to this gateway use now: `quic` or `tcp`.
@@ -464,38 +512,31 @@ impl GatewayClient {
         }
     }
 
-    /// The live QUIC connection, connecting first unless QUIC is known to be
-    /// down (then a background attempt may run and `None` means: use TCP).
-    async fn quic_connection(
-        self: &Arc<Self>,
-        addr: SocketAddr,
-        identity: &SpiffeId,
-    ) -> Option<quinn::Connection> {
-        let key = (addr, identity.clone());
-        {
-            let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
-            let state = gateways.entry(key.clone()).or_default();
-            if let Some(c) = &state.connection {
-                if c.close_reason().is_none() {
-                    return Some(c.clone());
-                }
-                state.connection = None;
+    /// What QUIC offers a new stream now: a live connection, nothing (known
+    /// down: the stream goes over TCP, and once the backoff is over one
+    /// background attempt finds out whether QUIC is back), or a connection
+    /// to make.
+    fn quic_now(self: &Arc<Self>, addr: SocketAddr, identity: &SpiffeId) -> QuicNow {
+        let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        let state = gateways.entry((addr, identity.clone())).or_default();
+        if let Some(c) = &state.connection {
+            if c.close_reason().is_none() {
+                return QuicNow::Live(c.clone());
             }
-            if let Some(until) = state.quic_down_until {
-                // Down: this stream goes over TCP; once the wait is over, one
-                // background attempt finds out whether QUIC is back.
-                if Instant::now() >= until && !state.probing {
-                    state.probing = true;
-                    let this = self.clone();
-                    let identity = identity.clone();
-                    tokio::spawn(async move {
-                        let _ = this.connect_quic(addr, &identity).await;
-                    });
-                }
-                return None;
-            }
+            state.connection = None;
         }
-        self.connect_quic(addr, identity).await
+        let Some(until) = state.quic_down_until else {
+            return QuicNow::Connect;
+        };
+        if Instant::now() >= until && !state.probing {
+            state.probing = true;
+            let this = self.clone();
+            let identity = identity.clone();
+            tokio::spawn(async move {
+                let _ = this.connect_quic(addr, &identity).await;
+            });
+        }
+        QuicNow::Down
     }
 
     async fn connect_quic(
