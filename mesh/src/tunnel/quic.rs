@@ -406,10 +406,10 @@ impl GatewayClient {
 
     /// A fresh QUIC connection, and the TCP fallback if QUIC has not
     /// connected within [`QUIC_HEAD_START`]: the first stream that opens
-    /// wins (happy eyeballs, QUIC preferred). Tried one after the other, a gateway that
-    /// vanished cost the QUIC handshake timeout plus the TCP connect timeout
-    /// (on top of the idle timeout a request on the dead connection had
-    /// already waited); raced, the longer of the two.
+    /// wins (happy eyeballs, QUIC preferred). Tried one after the other, a
+    /// gateway that vanished cost the QUIC handshake timeout plus the TCP
+    /// connect timeout (on top of the idle timeout a request on the dead
+    /// connection had already waited); raced, the longer of the two.
     async fn connect_either(
         self: &Arc<Self>,
         addr: SocketAddr,
