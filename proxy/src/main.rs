@@ -98,6 +98,7 @@ fn main() -> anyhow::Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    // Per core, the main thread is one of the single-threaded workers.
     let mut runtime = match args.workers {
         _ if args.runtime == RuntimeModel::PerCore => tokio::runtime::Builder::new_current_thread(),
         1 => tokio::runtime::Builder::new_current_thread(),
@@ -151,7 +152,8 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
 
     let (drain, start_drain) = Drain::new();
     let per_core = args.runtime == RuntimeModel::PerCore;
-    let (outbound_listener, inbound_listener) = bind(&args, per_core)?;
+    let addrs = (args.outbound_addr, args.inbound_addr);
+    let (outbound_listener, inbound_listener) = bind(addrs, per_core)?;
     // Mirror traffic: one QUIC connection per remote gateway, as this proxy.
     let gateways =
         strait_mesh::tunnel::quic::GatewayClient::new(identities.bundle().clone(), own.cert())
@@ -191,8 +193,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         // runtime, listeners and pools.
         for worker in 1..threads {
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-            let (args, outbound, updates, inbound, drain) = (
-                (args.outbound_addr, args.inbound_addr),
+            let (outbound, updates, inbound, drain) = (
                 outbound.worker(),
                 discovery.updates(),
                 inbound.clone(),
@@ -212,9 +213,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
                         }
                     };
                     runtime.block_on(async move {
-                        let (outbound_listener, inbound_listener) = match listener(args.0, true)
-                            .and_then(|o| Ok((o, listener(args.1, true)?)))
-                        {
+                        let (outbound_listener, inbound_listener) = match bind(addrs, true) {
                             Ok(listeners) => listeners,
                             Err(e) => {
                                 let _ = ready_tx.send(Err(e));
@@ -282,15 +281,15 @@ fn forget_gone(
     });
 }
 
-/// The outbound and inbound listeners of this thread; with SO_REUSEPORT when
-/// every thread has its own.
+/// The outbound and inbound listeners (`addrs`) of the calling thread; with
+/// SO_REUSEPORT when every thread has its own.
 fn bind(
-    args: &Args,
-    per_core: bool,
+    (outbound, inbound): (SocketAddr, SocketAddr),
+    shared: bool,
 ) -> anyhow::Result<(tokio::net::TcpListener, tokio::net::TcpListener)> {
     Ok((
-        listener(args.outbound_addr, per_core).context("binding outbound")?,
-        listener(args.inbound_addr, per_core).context("binding inbound")?,
+        listener(outbound, shared).context("binding outbound")?,
+        listener(inbound, shared).context("binding inbound")?,
     ))
 }
 
