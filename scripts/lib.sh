@@ -11,7 +11,9 @@ die() { printf '\033[31m[strait] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 # Debian packages the tests and the demo use. testenv installs what it needs
 # itself, so a fresh machine (or CI's clean clone) needs no manual step.
-APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat proxychains4 shellcheck)
+APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat proxychains4 shellcheck
+  # Real nodes (testenv --real-nodes): container runtime, CNI plugins, kube-proxy's conntrack, the pause image's C build.
+  containerd runc containernetworking-plugins conntrack gcc libc6-dev)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"
@@ -44,10 +46,13 @@ build_control_plane() {
   say "control plane: $STRAIT_CONTROLPLANE_BIN ($("$STRAIT_CONTROLPLANE_BIN" version))"
 }
 
+# Every process strait-controlplane runs (control planes, and real nodes' kubelets and kube-proxies).
+CONTROLPLANE_PROCESSES='strait-controlplane (etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|coredns)'
+
 # Fails if any control-plane process outlived the run (the no-orphans rule).
 check_no_orphans() {
   local left
-  left="$(pgrep -f 'strait-controlplane (etcd|kube-apiserver|kube-controller-manager)' || true)"
+  left="$(pgrep -f "$CONTROLPLANE_PROCESSES" || true)"
   if [[ -n "$left" ]]; then
     ps -o pid,ppid,etime,args -p "$(echo "$left" | paste -sd,)" >&2 || true
     die "control-plane processes were left running after the tests"
@@ -58,4 +63,15 @@ check_no_orphans() {
   links="$(ip -o link show 2>/dev/null | grep -o 'stlan[0-9]*' || true)"
   [[ -z "$links" ]] || die "cluster LAN interfaces were left after the tests: $(echo "$links" | paste -sd' ')"
   say "no cluster network left behind"
+  # Real nodes: containerd (and its shims and containers) live in a cgroup per node.
+  local cgroups
+  cgroups="$(find /sys/fs/cgroup -mindepth 2 -maxdepth 2 -name 'strait-node-*' 2>/dev/null || true)"
+  [[ -z "$cgroups" ]] || die "real-node cgroups were left after the tests: $(echo "$cgroups" | paste -sd' ')"
+  left="$(pgrep -f 'containerd --config /tmp/strait-testenv' || true)"
+  [[ -z "$left" ]] || die "a real node's containerd was left running: $left"
+  local path
+  for path in /etc/cni /opt/cni /var/lib/cni /var/lib/kubelet /var/lib/containerd /run/containerd /var/log/pods; do
+    [[ ! -e "$path" ]] || die "$path exists on the host: a real node wrote outside its folder"
+  done
+  say "no real node left behind"
 }

@@ -9,7 +9,7 @@ bootstrap
 # A one-shot build gains nothing from incremental state, which costs gigabytes.
 export CARGO_INCREMENTAL=0
 say "disk: $(df -h --output=avail "$STRAIT_ROOT" | tail -1 | tr -d ' ') free where the build goes"
-if pgrep -f 'strait-controlplane (etcd|kube-apiserver|kube-controller-manager)' >/dev/null; then
+if pgrep -f "$CONTROLPLANE_PROCESSES" >/dev/null; then
   die "control-plane processes are already running (a \`strait-testenv up\`?): stop them first (strait-testenv down) so the orphan check means something"
 fi
 say "cargo fmt --check"

@@ -103,6 +103,15 @@ pub struct ClusterConfig {
     pub service_account_issuer: String,
     /// Extra API server flags (`--flag=value`), appended last so they win.
     pub extra_apiserver_args: Vec<String>,
+    /// Run the cluster for real kubelets ([`crate::realnode`]): the Node
+    /// authorizer and NodeRestriction, the API server's client certificate
+    /// for kubelets, the `kubernetes` Service's endpoints, every controller,
+    /// a kube-scheduler and CoreDNS (cluster DNS at the Service range's `.10`).
+    /// Needs a `bind_address` that nodes reach (see [`crate::ClusterTopology`]).
+    pub real_nodes: bool,
+    /// OCI image archives imported into every real node before its kubelet
+    /// starts (the pause image first; see [`crate::images::node_archives`]).
+    pub node_images: Vec<PathBuf>,
 }
 
 impl ClusterConfig {
@@ -113,7 +122,21 @@ impl ClusterConfig {
             service_cidr: "10.96.0.0/16".into(),
             service_account_issuer: "https://kubernetes.default.svc.cluster.local".into(),
             extra_apiserver_args: Vec::new(),
+            real_nodes: false,
+            node_images: Vec::new(),
         }
+    }
+
+    /// The `offset`-th address of the Service range: 1 is the `kubernetes`
+    /// Service (the API server's in-cluster address), 10 the cluster DNS.
+    pub fn service_ip(&self, offset: u32) -> Ipv4Addr {
+        let base = self
+            .service_cidr
+            .split('/')
+            .next()
+            .and_then(|ip| ip.parse::<Ipv4Addr>().ok())
+            .unwrap_or(Ipv4Addr::new(10, 96, 0, 0));
+        Ipv4Addr::from(u32::from(base) + offset)
     }
 }
 
@@ -140,6 +163,8 @@ struct Ports {
     etcd_peer: u16,
     apiserver: u16,
     controller_manager: u16,
+    scheduler: u16,
+    coredns_ready: u16,
 }
 
 /// A running cluster. Dropping it kills every process it started; if the
@@ -156,6 +181,9 @@ pub struct Cluster {
     etcd: Option<ChildProcess>,
     apiserver: Option<ChildProcess>,
     controller_manager: Option<ChildProcess>,
+    /// Real-node clusters only.
+    scheduler: Option<ChildProcess>,
+    coredns: Option<ChildProcess>,
     admin_kubeconfig: Kubeconfig,
     client: Client,
 }
@@ -219,9 +247,15 @@ impl Cluster {
             apiserver: free_port(ip).map_err(setup("ports"))?,
             controller_manager: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST))
                 .map_err(setup("ports"))?,
+            scheduler: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST)).map_err(setup("ports"))?,
+            coredns_ready: free_port(IpAddr::V4(Ipv4Addr::LOCALHOST)).map_err(setup("ports"))?,
         };
-        let mut ips = vec![IpAddr::V4(Ipv4Addr::LOCALHOST)];
-        if ip != ips[0] {
+        // Pods reach the API server at the `kubernetes` Service's address.
+        let mut ips = vec![
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V4(config.service_ip(1)),
+        ];
+        if !ips.contains(&ip) {
             ips.push(ip);
         }
         let pki = ClusterPki::generate(&name, &ips).map_err(|source| ClusterError::Pki {
@@ -231,6 +265,21 @@ impl Cluster {
         let pki_files = pki
             .write_to(&root.join("pki"))
             .map_err(setup("certificate files"))?;
+        if config.real_nodes {
+            // The API server's client identity towards kubelets (logs, exec).
+            let kubelet_client = pki
+                .client_cert("kube-apiserver-kubelet-client", Some("system:masters"))
+                .map_err(|source| ClusterError::Pki {
+                    cluster: name.clone(),
+                    source,
+                })?;
+            let path = root.join("pki").join("kubelet-client");
+            std::fs::write(path.with_extension("crt"), &kubelet_client.cert_pem)
+                .map_err(setup("certificate files"))?;
+            crate::stack::write_private(&path.with_extension("key"), &kubelet_client.key_pem)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .map_err(setup("certificate files"))?;
+        }
 
         let server = format!("https://{}", SocketAddr::new(ip, ports.apiserver));
         let admin_kubeconfig = kubeconfig::with_client_cert(
@@ -270,12 +319,18 @@ impl Cluster {
             etcd: None,
             apiserver: None,
             controller_manager: None,
+            scheduler: None,
+            coredns: None,
             admin_kubeconfig,
             client,
         };
         cluster.start_etcd().await?;
         cluster.start_apiserver().await?;
         cluster.start_controller_manager().await?;
+        if cluster.config.real_nodes {
+            cluster.start_scheduler()?;
+            cluster.start_coredns().await?;
+        }
         tracing::info!(cluster = %name, server = %cluster.server_url(), elapsed_ms = started.elapsed().as_millis() as u64, "cluster ready");
         Ok(cluster)
     }
@@ -337,7 +392,11 @@ impl Cluster {
             format!("--tls-cert-file={}", f.apiserver_cert.display()),
             format!("--tls-private-key-file={}", f.apiserver_key.display()),
             format!("--client-ca-file={}", f.ca_cert.display()),
-            "--authorization-mode=RBAC".into(),
+            if self.config.real_nodes {
+                "--authorization-mode=Node,RBAC".into()
+            } else {
+                "--authorization-mode=RBAC".into()
+            },
             format!(
                 "--service-account-issuer={}",
                 self.config.service_account_issuer
@@ -352,14 +411,34 @@ impl Cluster {
             ),
             format!("--service-cluster-ip-range={}", self.config.service_cidr),
             // The `kubernetes` Service's endpoints would be a loopback address,
-            // which EndpointSlice validation rejects; nothing here needs them.
-            "--endpoint-reconciler-type=none".into(),
+            // which EndpointSlice validation rejects; only real pods need them.
+            if self.config.real_nodes {
+                "--endpoint-reconciler-type=lease".into()
+            } else {
+                "--endpoint-reconciler-type=none".into()
+            },
             // Flow control costs start-up time and matters only under real load.
             "--enable-priority-and-fairness=false".into(),
             "--allow-privileged=true".into(),
             "--profiling=false".into(),
             "--v=1".into(),
         ];
+        if self.config.real_nodes {
+            let kubelet_client = self.root.join("pki").join("kubelet-client");
+            args.extend([
+                "--enable-admission-plugins=NodeRestriction".into(),
+                // Nodes have no DNS names here: logs and exec dial the node IP.
+                "--kubelet-preferred-address-types=InternalIP".into(),
+                format!(
+                    "--kubelet-client-certificate={}",
+                    kubelet_client.with_extension("crt").display()
+                ),
+                format!(
+                    "--kubelet-client-key={}",
+                    kubelet_client.with_extension("key").display()
+                ),
+            ]);
+        }
         args.extend(self.config.extra_apiserver_args.iter().cloned());
         args
     }
@@ -401,7 +480,12 @@ impl Cluster {
                 "--kubeconfig={}",
                 self.root.join("controller-manager.kubeconfig").display()
             ),
-            format!("--controllers={}", CONTROLLERS.join(",")),
+            if self.config.real_nodes {
+                // Kubelets run pods: Deployments, DaemonSets, node lifecycle… all of them.
+                "--controllers=*".into()
+            } else {
+                format!("--controllers={}", CONTROLLERS.join(","))
+            },
             format!("--cluster-name={}", self.config.name),
             format!("--root-ca-file={}", self.pki_files.ca_cert.display()),
             format!(
@@ -462,6 +546,136 @@ impl Cluster {
         &self.config.name
     }
 
+    /// What the cluster was started with.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// The cluster's certificates (to sign client certificates for nodes).
+    pub fn pki(&self) -> &ClusterPki {
+        &self.pki
+    }
+
+    /// The `strait-controlplane` binary the cluster runs (also kubelets').
+    pub fn controlplane_binary(&self) -> &Path {
+        &self.binary
+    }
+
+    /// A kubeconfig file in the cluster folder for user `common_name` (in
+    /// group `organization`) with a fresh client certificate.
+    pub fn write_client_kubeconfig(
+        &self,
+        file: &str,
+        common_name: &str,
+        organization: Option<&str>,
+    ) -> Result<PathBuf, ClusterError> {
+        let cert = self
+            .pki
+            .client_cert(common_name, organization)
+            .map_err(|source| ClusterError::Pki {
+                cluster: self.config.name.clone(),
+                source,
+            })?;
+        let config = kubeconfig::with_client_cert(
+            &self.config.name,
+            &self.server_url(),
+            &self.pki.ca.cert_pem,
+            &cert.cert_pem,
+            &cert.key_pem,
+        );
+        let yaml = kubeconfig::to_yaml(&config).map_err(|e| ClusterError::Client {
+            cluster: self.config.name.clone(),
+            message: e.to_string(),
+        })?;
+        let path = self.root.join(file);
+        crate::stack::write_private(&path, &yaml).map_err(|e| ClusterError::Setup {
+            cluster: self.config.name.clone(),
+            what: "a kubeconfig file",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(path)
+    }
+
+    /// The scheduler of a real-node cluster (bootstrap RBAC grants its user).
+    fn start_scheduler(&mut self) -> Result<(), ClusterError> {
+        let kubeconfig =
+            self.write_client_kubeconfig("scheduler.kubeconfig", "system:kube-scheduler", None)?;
+        let args = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", self.ports.scheduler),
+            format!(
+                "--cert-dir={}",
+                self.root.join("pki").join("scheduler").display()
+            ),
+            "--v=1".into(),
+        ];
+        self.scheduler = Some(self.spawn("kube-scheduler", args)?);
+        Ok(())
+    }
+
+    /// CoreDNS for a real-node cluster: a process on the host's LAN address
+    /// (as the API server is), behind the `kube-system/kube-dns` Service at
+    /// the Service range's `.10`, which kube-proxy on every node translates.
+    async fn start_coredns(&mut self) -> Result<(), ClusterError> {
+        let name = self.config.name.clone();
+        let api_error = |what: &str, e: kube::Error| ClusterError::Client {
+            cluster: name.clone(),
+            message: format!("{what}: {e}"),
+        };
+        crate::workloads::create_cluster_dns(
+            &self.client,
+            self.config.bind_address,
+            self.config.service_ip(10),
+        )
+        .await
+        .map_err(|e| api_error("cluster DNS objects", e))?;
+        let kubeconfig =
+            self.write_client_kubeconfig("coredns.kubeconfig", "system:coredns", None)?;
+        let corefile = format!(
+            r#".:53 {{
+    bind {ip}
+    errors
+    ready 127.0.0.1:{ready}
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig} {context}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    cache 5
+    loadbalance
+}}
+"#,
+            ip = self.config.bind_address,
+            ready = self.ports.coredns_ready,
+            kubeconfig = kubeconfig.display(),
+            context = self.config.name,
+        );
+        let corefile_path = self.root.join("Corefile");
+        std::fs::write(&corefile_path, corefile).map_err(|source| ClusterError::Setup {
+            cluster: self.config.name.clone(),
+            what: "the Corefile",
+            source,
+        })?;
+        let mut child = self.spawn(
+            "coredns",
+            vec!["-conf".into(), corefile_path.display().to_string()],
+        )?;
+        let ready = SocketAddr::from(([127, 0, 0, 1], self.ports.coredns_ready));
+        wait_ready(&self.config.name, "coredns", &mut child, || async move {
+            match http_get(ready, "/ready").await {
+                Ok(body) if body.trim() == "OK" => Ok(()),
+                Ok(body) => Err(format!("/ready said {body}")),
+                Err(e) => Err(format!("/ready: {e}")),
+            }
+        })
+        .await?;
+        self.coredns = Some(child);
+        Ok(())
+    }
+
     /// A client with cluster-admin rights.
     pub fn client(&self) -> Client {
         self.client.clone()
@@ -506,7 +720,11 @@ impl Cluster {
 
     /// The component log files, for people and for failing tests.
     pub fn log_files(&self) -> Vec<PathBuf> {
-        ["etcd", "kube-apiserver", "kube-controller-manager"]
+        let mut components = vec!["etcd", "kube-apiserver", "kube-controller-manager"];
+        if self.config.real_nodes {
+            components.extend(["kube-scheduler", "coredns"]);
+        }
+        components
             .iter()
             .map(|c| self.root.join("logs").join(format!("{c}.log")))
             .collect()
@@ -514,10 +732,16 @@ impl Cluster {
 
     /// Process ids of the running components (for leak checks).
     pub fn pids(&self) -> Vec<u32> {
-        [&self.etcd, &self.apiserver, &self.controller_manager]
-            .into_iter()
-            .filter_map(|c| c.as_ref().and_then(ChildProcess::pid))
-            .collect()
+        [
+            &self.etcd,
+            &self.apiserver,
+            &self.controller_manager,
+            &self.scheduler,
+            &self.coredns,
+        ]
+        .into_iter()
+        .filter_map(|c| c.as_ref().and_then(ChildProcess::pid))
+        .collect()
     }
 
     /// Stops every component and removes the folder (unless kept for a failure).
@@ -528,6 +752,8 @@ impl Cluster {
     fn stop_all(&mut self) {
         // Clients first, then the store.
         for child in [
+            &mut self.coredns,
+            &mut self.scheduler,
             &mut self.controller_manager,
             &mut self.apiserver,
             &mut self.etcd,

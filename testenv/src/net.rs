@@ -119,7 +119,7 @@ pub fn root_or_skip(test: &str) -> bool {
     panic!("{test}: {}", NetError::NotRoot);
 }
 
-fn describe(cmd: &Command) -> String {
+pub(crate) fn describe(cmd: &Command) -> String {
     std::iter::once(cmd.get_program())
         .chain(cmd.get_args())
         .map(|a| a.to_string_lossy())
@@ -574,6 +574,21 @@ impl NetNode {
 
     pub(crate) fn lan(&self) -> &Arc<Lan> {
         &self.inner.lan
+    }
+
+    /// `n` of `10.S.n.0/24`: the node's number on its LAN.
+    pub fn index(&self) -> u8 {
+        self.inner.index
+    }
+
+    /// `S`: the host-wide slot of the node's cluster network.
+    pub fn slot(&self) -> u8 {
+        self.inner.lan.slot
+    }
+
+    /// The pod gateway address (`10.S.n.1`), next hop of every pod on the node.
+    pub fn pod_gateway(&self) -> Ipv4Addr {
+        self.inner.pod_gateway()
     }
 
     pub(crate) fn netns(&self) -> &Netns {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 /// A PEM certificate with its PEM private key.
@@ -22,6 +22,9 @@ pub struct CertPair {
 #[derive(Debug)]
 pub struct ClusterPki {
     pub ca: CertPair,
+    /// The CA as a signer, for client certificates made later (kubelets,
+    /// kube-proxy, the scheduler and CoreDNS of real-node clusters).
+    ca_issuer: Issuer<'static, KeyPair>,
     pub apiserver: CertPair,
     pub admin: CertPair,
     pub controller_manager: CertPair,
@@ -52,7 +55,7 @@ fn dn(common_name: &str, organization: Option<&str>) -> DistinguishedName {
 }
 
 fn leaf(
-    issuer: &CertifiedIssuer<'_, KeyPair>,
+    issuer: &Issuer<'_, KeyPair>,
     common_name: &str,
     organization: Option<&str>,
     sans: Vec<SanType>,
@@ -85,7 +88,8 @@ impl ClusterPki {
             KeyUsagePurpose::DigitalSignature,
         ];
         let ca_key_pem = ca_key.serialize_pem();
-        let ca = CertifiedIssuer::self_signed(ca_params, ca_key)?;
+        let ca = CertifiedIssuer::self_signed(ca_params.clone(), ca_key)?;
+        let ca_issuer = Issuer::new(ca_params, KeyPair::from_pem(&ca_key_pem)?);
 
         let mut sans: Vec<SanType> = apiserver_ips
             .iter()
@@ -129,12 +133,29 @@ impl ClusterPki {
                 cert_pem: ca.pem(),
                 key_pem: ca_key_pem,
             },
+            ca_issuer,
             apiserver,
             admin,
             controller_manager,
             service_account_key_pem: sa_key.serialize_pem(),
             service_account_pub_pem: sa_key.public_key_pem(),
         })
+    }
+
+    /// A client certificate for user `common_name` in group `organization`,
+    /// signed by the cluster CA (e.g. `system:node:<name>` in `system:nodes`).
+    pub fn client_cert(
+        &self,
+        common_name: &str,
+        organization: Option<&str>,
+    ) -> Result<CertPair, rcgen::Error> {
+        leaf(
+            &self.ca_issuer,
+            common_name,
+            organization,
+            vec![],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )
     }
 
     /// Writes the files the components read (keys mode 0600) into `dir`.

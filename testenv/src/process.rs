@@ -210,6 +210,12 @@ pub fn terminate(pid: u32, grace: Duration) -> bool {
     !is_alive(pid)
 }
 
+/// Sends SIGKILL to `pid` (a node's container, say) without waiting.
+pub fn kill(pid: u32) {
+    // SAFETY: kill(2) on a pid the caller names; no memory is touched.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+}
+
 /// Resident memory of a process in KiB (0 if it is gone), from /proc.
 pub fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

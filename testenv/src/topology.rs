@@ -5,6 +5,7 @@ use std::net::IpAddr;
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError};
 use crate::net::{ClusterNetwork, NetError, NetNode, NetPod};
+use crate::realnode::{NodeError, NodeSpec, RealNode};
 use crate::workloads::{self, TestPod};
 
 #[derive(Debug, thiserror::Error)]
@@ -13,6 +14,14 @@ pub enum TopologyError {
     Net(#[from] NetError),
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error("cluster {cluster}: cannot make certificates for node {node}: {source}")]
+    Pki {
+        cluster: String,
+        node: String,
+        source: rcgen::Error,
+    },
     #[error("cluster {cluster}: cannot write {what}: {source}")]
     Api {
         cluster: String,
@@ -34,6 +43,8 @@ pub enum TopologyError {
 /// server's address lives on it).
 #[derive(Debug)]
 pub struct ClusterTopology {
+    /// Real-node clusters: the kubelet, containerd and kube-proxy of each node.
+    real: Vec<RealNode>,
     nodes: Vec<NetNode>,
     cluster: Cluster,
     network: ClusterNetwork,
@@ -51,6 +62,12 @@ impl ClusterTopology {
         nodes: usize,
     ) -> Result<Self, TopologyError> {
         let name = config.name.clone();
+        if config.real_nodes {
+            // Before anything starts: say what this host lacks.
+            tokio::task::spawn_blocking(crate::realnode::preflight)
+                .await
+                .expect("preflight task panicked")?;
+        }
         let network = {
             let name = name.clone();
             tokio::task::spawn_blocking(move || ClusterNetwork::create(&name))
@@ -59,15 +76,83 @@ impl ClusterTopology {
         };
         config.bind_address = IpAddr::V4(network.host_ip());
         let cluster = Cluster::start_with(config).await?;
+        let real_nodes = cluster.config().real_nodes;
         let mut topology = Self {
+            real: Vec::new(),
             nodes: Vec::new(),
             cluster,
             network,
         };
-        for n in 1..=nodes {
-            topology.add_node(&format!("{name}-node-{n}")).await?;
+        let names: Vec<String> = (1..=nodes).map(|n| format!("{name}-node-{n}")).collect();
+        if real_nodes {
+            topology.add_real_nodes(&names).await?;
+        } else {
+            for node in &names {
+                topology.add_node(node).await?;
+            }
         }
         Ok(topology)
+    }
+
+    /// Adds real nodes (containerd, kubelet, kube-proxy; see
+    /// [`crate::realnode`]) and waits until each is `Ready`; the kubelets
+    /// register the Node objects themselves.
+    pub async fn add_real_nodes(&mut self, names: &[String]) -> Result<(), TopologyError> {
+        let mut started = Vec::new();
+        for name in names {
+            let net = self.network.add_node(name)?;
+            let spec = self.node_spec(name)?;
+            let dir = self.cluster.dir().join("nodes").join(name);
+            let node_net = net.clone();
+            let node = tokio::task::spawn_blocking(move || RealNode::start(&node_net, &spec, &dir))
+                .await
+                .expect("node start task panicked")?;
+            self.nodes.push(net);
+            started.push(node);
+        }
+        let client = self.cluster.client();
+        let results =
+            futures::future::join_all(started.iter_mut().map(|n| n.wait_ready(&client))).await;
+        self.real.extend(started);
+        results
+            .into_iter()
+            .collect::<Result<Vec<()>, NodeError>>()?;
+        Ok(())
+    }
+
+    fn node_spec(&self, name: &str) -> Result<NodeSpec, TopologyError> {
+        let cluster = &self.cluster;
+        let pki_error = |source| TopologyError::Pki {
+            cluster: cluster.name().into(),
+            node: name.into(),
+            source,
+        };
+        let pki = cluster.pki();
+        Ok(NodeSpec {
+            name: name.into(),
+            server: cluster.server_url(),
+            ca_pem: cluster.ca_pem().into(),
+            kubelet_cert: pki
+                .client_cert(&format!("system:node:{name}"), Some("system:nodes"))
+                .map_err(pki_error)?,
+            kube_proxy_cert: pki
+                .client_cert("system:kube-proxy", None)
+                .map_err(pki_error)?,
+            cluster_dns: cluster.config().service_ip(10),
+            cluster_cidr: self.network.cidr(),
+            controlplane: cluster.controlplane_binary().to_path_buf(),
+            images: cluster.config().node_images.clone(),
+        })
+    }
+
+    /// The real nodes (empty unless the cluster runs them).
+    pub fn real_nodes(&self) -> &[RealNode] {
+        &self.real
+    }
+
+    /// Mutable access to real node `index` (0-based), e.g. to kill its kubelet.
+    pub fn real_node_mut(&mut self, index: usize) -> Option<&mut RealNode> {
+        self.real.get_mut(index)
     }
 
     /// Adds a node namespace and its Ready Node object (InternalIP = node IP).

@@ -237,3 +237,64 @@ fn now_rfc3339() -> String {
         .unwrap_or_default()
         .to_string()
 }
+
+/// Cluster DNS for real-node clusters: CoreDNS runs on the host at
+/// `server` (port 53), and the selector-less Service `kube-system/kube-dns` at
+/// `cluster_ip` points there through an EndpointSlice testenv manages, so
+/// kube-proxy on each node translates `cluster_ip:53` as in any cluster. Also
+/// the RBAC CoreDNS's user `system:coredns` needs (as kubeadm's).
+pub async fn create_cluster_dns(
+    client: &Client,
+    server: IpAddr,
+    cluster_ip: std::net::Ipv4Addr,
+) -> kube::Result<()> {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    fn typed<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> T {
+        serde_json::from_value(value).expect("a well-formed built-in object")
+    }
+    let pp = PostParams::default();
+    let role: ClusterRole = typed(json!({
+        "metadata": {"name": "system:coredns"},
+        "rules": [
+            {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"], "verbs": ["list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        ],
+    }));
+    let binding: ClusterRoleBinding = typed(json!({
+        "metadata": {"name": "system:coredns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:coredns"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:coredns"}],
+    }));
+    let ports = json!([
+        {"name": "dns", "port": 53, "protocol": "UDP"},
+        {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+    ]);
+    let service: Service = typed(json!({
+        "metadata": {"name": "kube-dns", "namespace": "kube-system",
+                     "labels": {"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"}},
+        "spec": {"clusterIP": cluster_ip.to_string(), "ports": ports},
+    }));
+    let slice: EndpointSlice = typed(json!({
+        "metadata": {"name": "kube-dns-testenv", "namespace": "kube-system",
+                     "labels": {"kubernetes.io/service-name": "kube-dns",
+                                "endpointslice.kubernetes.io/managed-by": "testenv.strait.dev"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [server.to_string()], "conditions": {"ready": true}}],
+        "ports": ports,
+    }));
+    Api::<ClusterRole>::all(client.clone())
+        .create(&pp, &role)
+        .await?;
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&pp, &binding)
+        .await?;
+    Api::<Service>::namespaced(client.clone(), "kube-system")
+        .create(&pp, &service)
+        .await?;
+    Api::<EndpointSlice>::namespaced(client.clone(), "kube-system")
+        .create(&pp, &slice)
+        .await?;
+    Ok(())
+}

@@ -25,8 +25,14 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket};
 #[command(name = "strait-backend", version)]
 struct Args {
     /// The pod name to answer with.
-    #[arg(long, env = "POD_NAME")]
+    #[arg(long, env = "POD_NAME", default_value = "")]
     name: String,
+    /// Instead of serving: one HTTP/1.1 GET of this `http://host:port/path`
+    /// URL, the host resolved as the system resolver does (a pod's
+    /// /etc/resolv.conf: cluster DNS and search domains); prints the body,
+    /// fails on an error or a non-2xx status. For `kubectl exec` in real pods.
+    #[arg(long, conflicts_with_all = ["http", "echo", "banner", "udp_echo"])]
+    get: Option<http::Uri>,
     /// Address to serve HTTP/1.1 and h2c on (repeatable).
     #[arg(long)]
     http: Vec<SocketAddr>,
@@ -58,7 +64,11 @@ struct Behaviour {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(uri) = args.get {
+        return get(uri).await;
+    }
     strait_mesh::telemetry::init_tracing(Default::default(), "info");
+    anyhow::ensure!(!args.name.is_empty(), "give --name (or POD_NAME)");
     anyhow::ensure!(
         !args.http.is_empty()
             || !args.echo.is_empty()
@@ -242,4 +252,40 @@ async fn echo(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
     let (mut reader, mut writer) = stream.split();
     tokio::io::copy(&mut reader, &mut writer).await?;
     writer.shutdown().await
+}
+
+/// `--get`: one GET with the system resolver, body to stdout.
+async fn get(uri: http::Uri) -> anyhow::Result<()> {
+    use http_body_util::{BodyExt, Empty};
+    let host = uri
+        .host()
+        .ok_or_else(|| anyhow::anyhow!("--get {uri}: no host"))?
+        .to_string();
+    let port = uri.port_u16().unwrap_or(80);
+    let addr = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .map_err(|e| anyhow::anyhow!("resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("resolve {host}: no address"))?;
+    let stream = tokio::time::timeout(std::time::Duration::from_secs(10), TcpStream::connect(addr))
+        .await
+        .map_err(|_| anyhow::anyhow!("connect {addr} ({host}): timed out"))?
+        .map_err(|e| anyhow::anyhow!("connect {addr} ({host}): {e}"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let request = Request::get(path)
+        .header(hyper::header::HOST, format!("{host}:{port}"))
+        .body(Empty::<Bytes>::new())?;
+    let response = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        sender.send_request(request),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("GET {uri}: no answer within 10s"))??;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    println!("{}", String::from_utf8_lossy(&body));
+    anyhow::ensure!(status.is_success(), "GET {uri}: {status}");
+    Ok(())
 }

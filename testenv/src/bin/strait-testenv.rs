@@ -45,6 +45,31 @@ enum Command {
         /// (needs root). 0: control planes only, API servers on 127.0.0.1.
         #[arg(long, default_value_t = 0)]
         nodes: usize,
+        /// Real nodes (root): containerd, kubelet and kube-proxy in each node
+        /// namespace, plus a kube-scheduler and CoreDNS per cluster. Default
+        /// --nodes 2 with it.
+        #[arg(long)]
+        real_nodes: bool,
+        /// With --real-nodes: also import Strait's images (built from the
+        /// binaries in this folder, e.g. target/release) into every node.
+        #[arg(long, value_name = "BIN_DIR")]
+        strait_images: Option<PathBuf>,
+    },
+    /// Build the OCI image archives (pause and Strait's components from
+    /// BIN_DIR, named as `strait install` renders them) and print their paths.
+    Images {
+        /// Folder with the release binaries (strait-proxy, strait-gateway, …).
+        #[arg(long, default_value = "target/release")]
+        bin_dir: PathBuf,
+        /// Registry of Strait's images (as `strait install --registry`).
+        #[arg(long, default_value = strait_testenv::images::DEFAULT_REGISTRY)]
+        registry: String,
+        /// Tag of Strait's images (as `strait install --tag`).
+        #[arg(long, default_value = strait_testenv::images::DEFAULT_TAG)]
+        tag: String,
+        /// Write the archives here instead of the cache.
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
     },
     /// Stop the clusters a running `up` started.
     Down,
@@ -86,6 +111,12 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Down => down(&cli.state_dir),
+        Command::Images {
+            bin_dir,
+            registry,
+            tag,
+            out_dir,
+        } => images(&bin_dir, &registry, &tag, out_dir.as_deref()),
         Command::Demo {
             stay,
             requests,
@@ -104,9 +135,13 @@ fn main() -> anyhow::Result<()> {
             clusters,
             kubeconfig,
             nodes,
+            real_nodes,
+            strait_images,
         } => {
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(up(&cli.state_dir, clusters, kubeconfig, nodes))
+            let real = real_nodes.then_some(RealNodes { strait_images });
+            let nodes = if real_nodes && nodes == 0 { 2 } else { nodes };
+            runtime.block_on(up(&cli.state_dir, clusters, kubeconfig, nodes, real))
         }
     }
 }
@@ -126,10 +161,15 @@ async fn up(
     names: Vec<String>,
     kubeconfig_path: Option<PathBuf>,
     nodes: usize,
+    real: Option<RealNodes>,
 ) -> anyhow::Result<()> {
     if nodes > 0 && !net::is_root() {
         bail!("{}", net::NetError::NotRoot);
     }
+    let node_images = match &real {
+        Some(real) => real_node_images(real)?,
+        None => Vec::new(),
+    };
     if names.is_empty() || names.iter().any(|n| n.is_empty()) {
         bail!("--clusters needs one or more names, e.g. --clusters east,west");
     }
@@ -154,6 +194,8 @@ async fn up(
         let mut config = ClusterConfig::new(name);
         // Linked clusters must not share service ranges.
         config.service_cidr = format!("10.{}.0.0/16", 96 + i);
+        config.real_nodes = real.is_some();
+        config.node_images = node_images.clone();
         config
     });
     // Ctrl-C during start-up drops the half-started clusters, which stops them.
@@ -218,6 +260,65 @@ async fn up(
     let _ = std::fs::remove_file(pid_file(state_dir));
     let _ = std::fs::remove_file(&kubeconfig_path);
     eprintln!("[testenv] down");
+    Ok(())
+}
+
+/// `up --real-nodes`: what to import besides pause and the backend.
+struct RealNodes {
+    strait_images: Option<PathBuf>,
+}
+
+/// Checks the host, cleans up after killed runs, and builds the images every
+/// real node imports.
+fn real_node_images(real: &RealNodes) -> anyhow::Result<Vec<PathBuf>> {
+    strait_testenv::realnode::preflight()?;
+    let swept = strait_testenv::realnode::sweep_stale_cgroups();
+    if !swept.is_empty() {
+        eprintln!(
+            "[testenv] cleaned up node cgroups of an earlier run: {}",
+            swept.join(", ")
+        );
+    }
+    let exe = std::env::current_exe()?;
+    let bin_dir = exe.parent().context("the folder of strait-testenv")?;
+    eprintln!("[testenv] building images (pause, strait-backend)…");
+    let mut archives = strait_testenv::images::node_archives(bin_dir)?;
+    if let Some(dir) = &real.strait_images {
+        eprintln!("[testenv] building Strait's images from {}…", dir.display());
+        archives.extend(strait_testenv::images::strait_archives(dir)?);
+    }
+    Ok(archives)
+}
+
+fn images(
+    bin_dir: &std::path::Path,
+    registry: &str,
+    tag: &str,
+    out_dir: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    use strait_testenv::images;
+    let work = controlplane::cache_root().join("images").join("pause-src");
+    let mut all = vec![images::pause_image(&work)?];
+    all.extend(images::strait_images(bin_dir, registry, tag)?);
+    for image in &all {
+        let path = match out_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)?;
+                let file = image
+                    .name
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("image")
+                    .replace(':', "_");
+                let path = dir.join(format!("{file}.tar"));
+                image.write_archive(&path)?;
+                path
+            }
+            None => images::cached_archive(image)?,
+        };
+        eprintln!("[testenv] {} → {}", image.name, path.display());
+        println!("{}", path.display());
+    }
     Ok(())
 }
 
