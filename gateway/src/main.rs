@@ -77,7 +77,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (store, bundle) = args.identity.store(identity_metrics)?;
     let own = store
-        .get(None)
+        .own()
         .await
         .context("getting the gateway's identity from the issuer")?;
     tracing::info!(identity = %own.id(), "identity loaded");

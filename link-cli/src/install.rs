@@ -133,8 +133,9 @@ pub struct InstallArgs {
     /// Image registry (images are <registry>/strait-<component>:<tag>).
     #[arg(long, default_value = "ghcr.io/strait-dev")]
     pub registry: String,
-    /// Image tag.
-    #[arg(long, default_value = "latest")]
+    /// Image tag (default: this release's version; `latest` would make the
+    /// kubelet pull on every start).
+    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
     pub tag: String,
     /// Image pull policy (Kubernetes' default: Always for :latest, else IfNotPresent).
     #[arg(long, value_enum)]

@@ -131,7 +131,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     // Identity first: without it the proxy can carry nothing.
     let (store, bundle) = args.identity.store(identity_metrics)?;
     let own = store
-        .get(None)
+        .own()
         .await
         .context("getting the proxy's own identity from the issuer")?;
     tracing::info!(identity = %own.id(), "identity loaded");

@@ -509,7 +509,12 @@ impl Outbound {
     async fn caller(&self, ip: IpAddr) -> Result<Caller, String> {
         let pod = self.destinations.local_pod(ip).ok_or_else(|| {
             format!(
-                "{ip} is not a pod on node {}: the node proxy serves only this node's pods",
+                "{ip} is not a pod on node {}: the node proxy serves only this node's pods, \
+                 known by their own source address; if a pod of this node sent this, its \
+                 address was rewritten on the way (hostPort through the CNI portmap plugin \
+                 masquerades same-node callers unless its \"snat\" is false): reach the \
+                 proxy through the strait-proxy Service (internalTrafficPolicy: Local) or \
+                 transparent mode instead",
                 self.node
             )
         })?;

@@ -65,6 +65,20 @@ pub enum IssueError {
 }
 
 impl IssueError {
+    /// Whether asking again later can succeed: the issuer is not reachable
+    /// (yet: it may be starting beside this component), slow, or failing on
+    /// its side. A refusal of this caller (4xx) or a local problem is final.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            IssueError::Connect { .. }
+            | IssueError::Tls { .. }
+            | IssueError::Http(_)
+            | IssueError::Timeout(_) => true,
+            IssueError::Refused { status, .. } => *status >= 500 || *status == 429,
+            IssueError::Token { .. } | IssueError::BadResponse(_) | IssueError::Key(_) => false,
+        }
+    }
+
     /// Stable reason for metrics.
     pub fn reason(&self) -> &str {
         match self {
@@ -478,8 +492,36 @@ impl IdentityStore {
         Ok(identity)
     }
 
+    /// The caller's own identity, waiting for the issuer while it is not
+    /// reachable (components start together; the issuer may come up last):
+    /// transient failures are logged and retried with backoff, a refusal
+    /// fails at once.
+    pub async fn own(&self) -> Result<Arc<ManagedIdentity>, IssueError> {
+        retry_transient(|| self.get(None)).await
+    }
+
     /// Stops refreshing a pod's identity (the pod left the node).
     pub async fn forget(&self, pod: &PodRef) {
         self.identities.lock().await.remove(&Some(pod.clone()));
+    }
+}
+
+/// Runs `attempt` until it succeeds or fails for good ([`IssueError::is_transient`]);
+/// transient failures are logged and retried after 0.5 s, doubling to 10 s.
+pub async fn retry_transient<T, F, Fut>(mut attempt: F) -> Result<T, IssueError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, IssueError>>,
+{
+    let mut delay = Duration::from_millis(500);
+    loop {
+        match attempt().await {
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, retry_in = ?delay, "no certificate from the issuer yet");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(10));
+            }
+            other => return other,
+        }
     }
 }

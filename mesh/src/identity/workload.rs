@@ -100,20 +100,24 @@ impl IdentityArgs {
     }
 
     /// Reads the trust anchors and fetches the first certificate (the caller
-    /// waits for it: without an identity a component cannot do its job).
+    /// waits for it: without an identity a component cannot do its job),
+    /// waiting out an issuer that is not reachable yet.
     pub async fn start(
         &self,
         metrics: IdentityMetrics,
     ) -> Result<WorkloadIdentity, WorkloadIdentityError> {
         let bundle = self.bundle()?;
         let client = IssuerClient::new(&self.issuer_addr, &self.issuer_name, &bundle)?;
-        let identity = ManagedIdentity::start(
-            client,
-            TokenSource::File(self.token_file.clone()),
-            None,
-            RefreshPolicy::default(),
-            metrics,
-        )
+        let token = TokenSource::File(self.token_file.clone());
+        let identity = super::client::retry_transient(|| {
+            ManagedIdentity::start(
+                client.clone(),
+                token.clone(),
+                None,
+                RefreshPolicy::default(),
+                metrics.clone(),
+            )
+        })
         .await?;
         Ok(WorkloadIdentity { identity, bundle })
     }

@@ -33,6 +33,10 @@ struct Args {
     /// fails on an error or a non-2xx status. For `kubectl exec` in real pods.
     #[arg(long, conflicts_with_all = ["http", "echo", "banner", "udp_echo"])]
     get: Option<http::Uri>,
+    /// With --get: send the request through this HTTP proxy (absolute form),
+    /// which resolves the destination; default: `http_proxy`, as apps do.
+    #[arg(long, env = "http_proxy", requires = "get")]
+    proxy: Option<String>,
     /// Address to serve HTTP/1.1 and h2c on (repeatable).
     #[arg(long)]
     http: Vec<SocketAddr>,
@@ -65,7 +69,7 @@ struct Behaviour {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(uri) = args.get {
-        return get(uri).await;
+        return get(uri, args.proxy.filter(|p| !p.is_empty())).await;
     }
     strait_mesh::telemetry::init_tracing(Default::default(), "info");
     anyhow::ensure!(!args.name.is_empty(), "give --name (or POD_NAME)");
@@ -254,27 +258,47 @@ async fn echo(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
     writer.shutdown().await
 }
 
-/// `--get`: one GET with the system resolver, body to stdout.
-async fn get(uri: http::Uri) -> anyhow::Result<()> {
+/// `--get`: one GET with the system resolver, body to stdout. Through a
+/// proxy (`--proxy`, or `http_proxy` as a meshed app has it) the request goes
+/// in absolute form, and the proxy resolves the destination.
+async fn get(uri: http::Uri, proxy: Option<String>) -> anyhow::Result<()> {
     use http_body_util::{BodyExt, Empty};
     let host = uri
         .host()
         .ok_or_else(|| anyhow::anyhow!("--get {uri}: no host"))?
         .to_string();
     let port = uri.port_u16().unwrap_or(80);
-    let addr = tokio::net::lookup_host((host.as_str(), port))
+    let (connect_host, connect_port, target) = match &proxy {
+        Some(p) => {
+            let p: http::Uri = p
+                .parse()
+                .map_err(|e| anyhow::anyhow!("http_proxy {p:?}: {e}"))?;
+            let h = p
+                .host()
+                .ok_or_else(|| anyhow::anyhow!("http_proxy {p}: no host"))?
+                .to_string();
+            (h, p.port_u16().unwrap_or(80), uri.to_string())
+        }
+        None => (
+            host.clone(),
+            port,
+            uri.path_and_query()
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_else(|| "/".into()),
+        ),
+    };
+    let addr = tokio::net::lookup_host((connect_host.as_str(), connect_port))
         .await
-        .map_err(|e| anyhow::anyhow!("resolve {host}: {e}"))?
+        .map_err(|e| anyhow::anyhow!("resolve {connect_host}: {e}"))?
         .next()
-        .ok_or_else(|| anyhow::anyhow!("resolve {host}: no address"))?;
+        .ok_or_else(|| anyhow::anyhow!("resolve {connect_host}: no address"))?;
     let stream = tokio::time::timeout(std::time::Duration::from_secs(10), TcpStream::connect(addr))
         .await
-        .map_err(|_| anyhow::anyhow!("connect {addr} ({host}): timed out"))?
-        .map_err(|e| anyhow::anyhow!("connect {addr} ({host}): {e}"))?;
+        .map_err(|_| anyhow::anyhow!("connect {addr} ({connect_host}): timed out"))?
+        .map_err(|e| anyhow::anyhow!("connect {addr} ({connect_host}): {e}"))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(conn);
-    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    let request = Request::get(path)
+    let request = Request::get(target)
         .header(hyper::header::HOST, format!("{host}:{port}"))
         .body(Empty::<Bytes>::new())?;
     let response = tokio::time::timeout(

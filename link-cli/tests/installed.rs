@@ -1,0 +1,326 @@
+//! Strait installed the way a user installs it (root): real nodes (kubelet,
+//! containerd, kube-proxy; see testenv's `realnode`), images built here and
+//! imported into each node, `strait install | kubectl apply -f -`, every
+//! component Ready as a real pod (the node-proxy DaemonSet on every node), a
+//! meshed request through the hostPort of the caller's node proxy carrying
+//! the caller's identity to the destination pod, then `strait uninstall |
+//! kubectl delete -f -` removing all of it and nothing else.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use strait_testenv::net::root_or_skip;
+use strait_testenv::{ClusterConfig, ClusterTopology, images, kubectl, kubectl_output};
+
+fn strait(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
+        .args(args)
+        .output()
+        .expect("run strait");
+    assert!(
+        out.status.success(),
+        "strait {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Retries `kubectl args` until it succeeds or `limit` passes; returns stdout.
+fn kubectl_until(kubeconfig: &Path, args: &[&str], limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let out = kubectl_output(kubeconfig, args, None);
+        if out.status.success() {
+            return String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kubectl {args:?} did not succeed within {limit:?}: {}{}\npods:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(
+                &kubectl_output(kubeconfig, &["get", "pods", "-A", "-o", "wide"], None).stdout
+            )
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+const APP: &str = r#"apiVersion: v1
+kind: Namespace
+metadata: {name: shop}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: web, namespace: shop}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: client, namespace: shop}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: shop}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      serviceAccountName: web
+      containers:
+        - name: web
+          image: IMAGE
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {fieldRef: {fieldPath: metadata.name}}
+          ports: [{containerPort: 8080}]
+          readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  selector: {app: web}
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: client, namespace: shop}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: client}}
+  template:
+    metadata: {labels: {app: client}}
+    spec:
+      serviceAccountName: client
+      containers:
+        - name: client
+          image: IMAGE
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {fieldRef: {fieldPath: metadata.name}}
+            - name: NODE_IP
+              valueFrom: {fieldRef: {fieldPath: status.hostIP}}
+            - name: http_proxy
+              value: http://strait-proxy.strait-system.svc.cluster.local:4140
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
+    if !root_or_skip("strait_installs_on_real_nodes_carries_traffic_and_uninstalls") {
+        return;
+    }
+    let bin_dir: PathBuf = Path::new(env!("CARGO_BIN_EXE_strait"))
+        .parent()
+        .expect("target dir")
+        .to_path_buf();
+    let archives = tokio::task::spawn_blocking(move || {
+        let mut all = images::node_archives(&bin_dir)?;
+        all.extend(images::strait_archives(&bin_dir)?);
+        Ok::<_, images::ImageError>(all)
+    })
+    .await
+    .unwrap()
+    .expect("build the images");
+    let mut config = ClusterConfig::new("east");
+    config.real_nodes = true;
+    config.node_images = archives;
+    let topology = ClusterTopology::start_with(config, 2)
+        .await
+        .expect("a real-node cluster");
+    let kubeconfig = topology.cluster().kubeconfig_path();
+    let work = tempfile::tempdir().unwrap();
+    let dir = |name: &str| work.path().join(name).display().to_string();
+
+    strait(&["identity", "trust-anchor", "--out-dir", &dir("anchor")]);
+    strait(&[
+        "identity",
+        "issuer",
+        "--anchor-cert",
+        &dir("anchor/ca.crt"),
+        "--anchor-key",
+        &dir("anchor/ca.key"),
+        "--cluster",
+        "east",
+        "--out-dir",
+        &dir("east"),
+    ]);
+    let manifests = strait(&[
+        "install",
+        "--identity-dir",
+        &dir("east"),
+        "--gateway-service-type",
+        "NodePort",
+    ]);
+    assert!(
+        !manifests.contains(":latest"),
+        "no image may be :latest (the kubelet would pull it on every start)"
+    );
+    let started = Instant::now();
+    kubectl(&kubeconfig, &["apply", "-f", "-"], Some(&manifests));
+
+    // Every component as a real pod, Ready; one node proxy per node.
+    for (namespace, workload) in [
+        ("strait-system", "deploy/strait-identity"),
+        ("strait-system", "ds/strait-proxy"),
+        ("strait-system", "deploy/strait-gateway"),
+        ("strait-multicluster", "deploy/strait-mirror"),
+    ] {
+        kubectl_until(
+            &kubeconfig,
+            &[
+                "rollout",
+                "status",
+                "-n",
+                namespace,
+                workload,
+                "--timeout=10s",
+            ],
+            Duration::from_secs(120),
+        );
+    }
+    eprintln!(
+        "strait installed and Ready in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let ready = kubectl(
+        &kubeconfig,
+        &[
+            "get",
+            "ds",
+            "-n",
+            "strait-system",
+            "strait-proxy",
+            "-o",
+            "jsonpath={.status.numberReady}",
+        ],
+        None,
+    );
+    assert_eq!(ready, "2", "a Ready node proxy on each of the 2 nodes");
+    let restarts = kubectl(
+        &kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-A",
+            "-l",
+            "app.kubernetes.io/part-of=strait",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}={.status.containerStatuses[0].restartCount} {end}",
+        ],
+        None,
+    );
+    eprintln!("restarts: {restarts}");
+
+    // A meshed call: the client pod's own node proxy (the strait-proxy
+    // Service, internalTrafficPolicy: Local) → mTLS → the destination node's
+    // proxy → a web pod, which sees the caller's identity.
+    kubectl(
+        &kubeconfig,
+        &["apply", "-f", "-"],
+        Some(&APP.replace("IMAGE", images::BACKEND_IMAGE)),
+    );
+    for workload in ["deploy/web", "deploy/client"] {
+        kubectl_until(
+            &kubeconfig,
+            &["rollout", "status", "-n", "shop", workload, "--timeout=10s"],
+            Duration::from_secs(90),
+        );
+    }
+    let body = kubectl_until(
+        &kubeconfig,
+        &[
+            "exec",
+            "-n",
+            "shop",
+            "deploy/client",
+            "--",
+            "/usr/local/bin/strait-backend",
+            "--get",
+            "http://web.shop.svc.cluster.local/",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(
+        body.contains("\"pod\":\"web-"),
+        "answered by a web pod: {body}"
+    );
+    assert!(
+        body.contains("spiffe://cluster.local/ns/shop/sa/client"),
+        "the destination saw the caller's identity (through both node proxies): {body}"
+    );
+    // The hostPort through the portmap plugin (as kind's CNI has it)
+    // masquerades same-node callers: the proxy cannot tell who calls and
+    // refuses, saying why, rather than guess.
+    let node_ip = kubectl(
+        &kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "shop",
+            "-l",
+            "app=client",
+            "-o",
+            "jsonpath={.items[0].status.hostIP}",
+        ],
+        None,
+    );
+    let via_host_port = format!("http://{node_ip}:4140");
+    let out = kubectl_output(
+        &kubeconfig,
+        &[
+            "exec",
+            "-n",
+            "shop",
+            "deploy/client",
+            "--",
+            "/usr/local/bin/strait-backend",
+            "--get",
+            "http://web.shop.svc.cluster.local/",
+            "--proxy",
+            &via_host_port,
+        ],
+        None,
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && said.contains("snat"),
+        "a masqueraded caller is refused with the reason: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Uninstall: everything install made goes, the app stays.
+    let removal = strait(&[
+        "uninstall",
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+    ]);
+    kubectl(
+        &kubeconfig,
+        &["delete", "-f", "-", "--wait=true", "--timeout=60s"],
+        Some(&removal),
+    );
+    let namespaces = kubectl(&kubeconfig, &["get", "ns", "-o", "name"], None);
+    assert!(
+        !namespaces.contains("strait-system") && !namespaces.contains("strait-multicluster"),
+        "Strait's namespaces are gone: {namespaces}"
+    );
+    assert!(
+        namespaces.contains("namespace/shop"),
+        "the app stays: {namespaces}"
+    );
+    let leftovers = kubectl(
+        &kubeconfig,
+        &["get", "clusterroles,clusterrolebindings,crd", "-o", "name"],
+        None,
+    );
+    assert!(
+        !leftovers.contains("strait"),
+        "cluster-wide objects of Strait left: {leftovers}"
+    );
+}
