@@ -112,6 +112,9 @@ pub struct ClusterConfig {
     /// OCI image archives imported into every real node before its kubelet
     /// starts (the pause image first; see [`crate::images::node_archives`]).
     pub node_images: Vec<PathBuf>,
+    /// More addresses the API server's certificate names (an endpoint in
+    /// front of it, such as the LAN router other clusters reach it at).
+    pub extra_sans: Vec<IpAddr>,
 }
 
 impl ClusterConfig {
@@ -124,6 +127,7 @@ impl ClusterConfig {
             extra_apiserver_args: Vec::new(),
             real_nodes: false,
             node_images: Vec::new(),
+            extra_sans: Vec::new(),
         }
     }
 
@@ -255,8 +259,10 @@ impl Cluster {
             IpAddr::V4(Ipv4Addr::LOCALHOST),
             IpAddr::V4(config.service_ip(1)),
         ];
-        if !ips.contains(&ip) {
-            ips.push(ip);
+        for extra in std::iter::once(ip).chain(config.extra_sans.iter().copied()) {
+            if !ips.contains(&extra) {
+                ips.push(extra);
+            }
         }
         let pki = ClusterPki::generate(&name, &ips).map_err(|source| ClusterError::Pki {
             cluster: name.clone(),
@@ -848,8 +854,9 @@ where
     }
 }
 
-/// A plain-HTTP GET (etcd's health endpoint), with a short timeout.
-async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
+/// A plain-HTTP GET (etcd's health endpoint, a component's /metrics), with a
+/// short timeout.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
     use http_body_util::{BodyExt, Empty};
     use hyper_util::client::legacy::Client as HttpClient;
     use hyper_util::rt::TokioExecutor;

@@ -22,6 +22,7 @@ pub mod controlplane;
 pub mod demo;
 pub mod dns;
 pub mod images;
+pub mod installed;
 pub mod issuer;
 pub mod kube_proxy;
 pub mod kubeconfig;
@@ -35,7 +36,7 @@ pub mod wait;
 pub mod wan;
 pub mod workloads;
 
-pub use cluster::{Cluster, ClusterConfig, ClusterError};
+pub use cluster::{Cluster, ClusterConfig, ClusterError, http_get};
 pub use net::{ClusterNetwork, NetNode, NetPod};
 pub use topology::ClusterTopology;
 pub use wan::Wan;

@@ -389,6 +389,33 @@ impl ClusterNetwork {
         self.lan.netns.id()
     }
 
+    /// The LAN router's address (`10.S.0.254`), where a WAN enters the LAN.
+    pub fn router_ip(&self) -> Ipv4Addr {
+        self.lan.router_ip()
+    }
+
+    /// Forwards TCP `port` of the LAN router's address to `target` (socat in
+    /// the LAN namespace; the host's API server, say), as a cloud's load
+    /// balancer fronts an API server: with [`crate::Wan::expose_router`],
+    /// other clusters' pods reach it across the WAN. Dropping the process stops it.
+    pub fn forward_from_router(
+        &self,
+        port: u16,
+        target: std::net::SocketAddr,
+        log: &Path,
+    ) -> io::Result<ChildProcess> {
+        let args = [
+            format!(
+                "TCP-LISTEN:{port},bind={},fork,reuseaddr",
+                self.lan.router_ip()
+            ),
+            format!("TCP:{target}"),
+        ];
+        self.lan
+            .netns
+            .spawn("api endpoint", Path::new("socat"), &args, &[], log)
+    }
+
     pub(crate) fn lan(&self) -> &Arc<Lan> {
         &self.lan
     }

@@ -75,6 +75,9 @@ impl ClusterTopology {
                 .expect("network set-up task panicked")?
         };
         config.bind_address = IpAddr::V4(network.host_ip());
+        // Other clusters may reach the API server through the LAN router
+        // (ClusterNetwork::forward_from_router).
+        config.extra_sans.push(IpAddr::V4(network.router_ip()));
         let cluster = Cluster::start_with(config).await?;
         let real_nodes = cluster.config().real_nodes;
         let mut topology = Self {

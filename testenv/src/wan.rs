@@ -73,9 +73,12 @@ struct State {
 #[derive(Debug)]
 struct Gateway {
     ip: Ipv4Addr,
+    /// The cluster LAN the address is on.
+    home: Arc<Lan>,
     /// The node that holds the gateway (itself, or its pod): it gets the
-    /// return routes. Kept alive by the WAN.
-    node: NetNode,
+    /// return routes. Kept alive by the WAN. None for the LAN router's own
+    /// address (an API endpoint), which routes into the WAN already.
+    node: Option<NetNode>,
 }
 
 /// `10.S.255.1`, the LAN end of cluster `slot`'s WAN link (`wan` in the LAN namespace).
@@ -183,9 +186,27 @@ impl Wan {
         self.expose(pod.ip(), pod.node(), ports)
     }
 
+    /// Makes `port` of `network`'s LAN router address (`10.S.0.254`) reachable
+    /// from every other joined cluster, as a cloud exposes an API server's
+    /// endpoint: what listens there (see [`ClusterNetwork::forward_from_router`])
+    /// serves other clusters' nodes and pods.
+    pub fn expose_router(&self, network: &ClusterNetwork, ports: &[u16]) -> Result<(), NetError> {
+        let lan = network.lan().clone();
+        self.expose_on(lan.router_ip(), lan, None, ports)
+    }
+
     fn expose(&self, ip: Ipv4Addr, node: &NetNode, ports: &[u16]) -> Result<(), NetError> {
+        self.expose_on(ip, node.lan().clone(), Some(node.clone()), ports)
+    }
+
+    fn expose_on(
+        &self,
+        ip: Ipv4Addr,
+        home: Arc<Lan>,
+        node: Option<NetNode>,
+        ports: &[u16],
+    ) -> Result<(), NetError> {
         let mut state = self.lock();
-        let home = node.lan();
         if !state.lans.iter().any(|l| l.slot == home.slot) {
             return Err(NetError::Wan(format!(
                 "cannot expose {ip}: cluster {} has not joined this WAN (Wan::join first)",
@@ -205,11 +226,9 @@ impl Wan {
         let mut restore = self.netns.command("iptables-restore");
         restore.args(["-w", "--noflush"]);
         run(restore, Some(&rules))?;
-        let gateway = Gateway {
-            ip,
-            node: node.clone(),
-        };
-        for lan in state.lans.iter().filter(|l| l.slot != home.slot) {
+        let home_slot = home.slot;
+        let gateway = Gateway { ip, home, node };
+        for lan in state.lans.iter().filter(|l| l.slot != home_slot) {
             route_to_gateway(lan, &gateway)?;
         }
         if !state.gateways.iter().any(|g| g.ip == ip) {
@@ -428,7 +447,7 @@ fn wait_for_log(
 /// Routes `lan`'s nodes to `gateway` (in another cluster) through the WAN,
 /// and the gateway's replies back.
 fn route_to_gateway(lan: &Lan, gateway: &Gateway) -> Result<(), NetError> {
-    let home = gateway.node.lan();
+    let home = &gateway.home;
     let ip = gateway.ip;
     lan.route_nodes_via_router(&format!("{ip}/32"))?;
     lan.netns.ip(&[format!(
@@ -440,11 +459,14 @@ fn route_to_gateway(lan: &Lan, gateway: &Gateway) -> Result<(), NetError> {
         cidr(lan.slot),
         wan_end(home.slot)
     )])?;
-    gateway.node.netns().ip(&[format!(
-        "route replace {} via {} dev eth0",
-        cidr(lan.slot),
-        home.router_ip()
-    )])
+    match &gateway.node {
+        Some(node) => node.netns().ip(&[format!(
+            "route replace {} via {} dev eth0",
+            cidr(lan.slot),
+            home.router_ip()
+        )]),
+        None => Ok(()),
+    }
 }
 
 /// A running packet capture on the WAN ([`Wan::capture`]).

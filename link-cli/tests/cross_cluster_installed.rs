@@ -1,0 +1,345 @@
+//! Cross-cluster on installed Strait (root): two real-node clusters, Strait
+//! installed in each with `strait install`, east linked to west with `strait
+//! link`, west's `shop/web` exported with `strait export`. From an east pod:
+//! a call to the mirror `web-west` crosses east's node proxy, QUIC to west's
+//! gateway (a NodePort across the WAN), west's node proxy, and reaches a west
+//! pod with the caller's identity; UDP blocked → TCP fallback → back to QUIC;
+//! the WAN cut fails requests in bounded time and restoring it heals them;
+//! the gateway pod deleted is replaced by its Deployment and calls resume.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use strait_testenv::installed::{InstalledMesh, apply, kubectl_until};
+use strait_testenv::net::root_or_skip;
+use strait_testenv::stack::metric_sum;
+use strait_testenv::{http_get, images, kubectl, kubectl_output};
+
+const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+const MIRROR_URL: &str = "http://web-west.shop.svc.cluster.local";
+
+fn app(image: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: shop}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: web, namespace: shop}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: web, namespace: shop}}
+spec:
+  replicas: 2
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata: {{labels: {{app: web}}}}
+    spec:
+      serviceAccountName: web
+      containers:
+        - name: web
+          image: {image}
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+          ports: [{{containerPort: 8080}}]
+          readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: shop}}
+spec:
+  selector: {{app: web}}
+  ports: [{{name: http, port: 80, targetPort: 8080}}]
+"#
+    )
+}
+
+fn client(image: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: shop}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: client, namespace: shop}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: client, namespace: shop}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{app: client}}}}
+  template:
+    metadata: {{labels: {{app: client}}}}
+    spec:
+      serviceAccountName: client
+      containers:
+        - name: client
+          image: {image}
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+            - name: http_proxy
+              value: http://strait-proxy.strait-system.svc.cluster.local:4140
+"#
+    )
+}
+
+/// One GET of `url` from east's client pod through its node proxy; the body,
+/// or the error, and how long it took.
+fn get(kubeconfig: &Path, url: &str) -> (Result<String, String>, Duration) {
+    let started = Instant::now();
+    let out = kubectl_output(
+        kubeconfig,
+        &[
+            "exec",
+            "-n",
+            "shop",
+            "deploy/client",
+            "--",
+            "/usr/local/bin/strait-backend",
+            "--get",
+            url,
+        ],
+        None,
+    );
+    let took = started.elapsed();
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() && body.contains("\"pod\":\"web-") {
+        (Ok(body), took)
+    } else {
+        (
+            Err(format!("{body}{}", String::from_utf8_lossy(&out.stderr))),
+            took,
+        )
+    }
+}
+
+/// The gateway pod's address and metrics (admin port 4191, reachable from the host).
+async fn gateway_metrics(kubeconfig: &Path) -> String {
+    let ip = kubectl(
+        kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "strait-system",
+            "-l",
+            "app.kubernetes.io/name=strait-gateway",
+            "--field-selector",
+            "status.phase=Running",
+            "-o",
+            "jsonpath={.items[0].status.podIP}",
+        ],
+        None,
+    );
+    let Ok(ip) = ip.trim().parse::<IpAddr>() else {
+        return String::new();
+    };
+    http_get(SocketAddr::new(ip, 4191), "/metrics")
+        .await
+        .unwrap_or_default()
+}
+
+/// GETs until one is answered by a west pod and `done` holds of the
+/// gateway's metrics; the time it took.
+async fn until_answered(
+    what: &str,
+    east: &Path,
+    west: &Path,
+    limit: Duration,
+    done: impl Fn(&str) -> bool,
+) -> Duration {
+    let started = Instant::now();
+    let mut last = String::new();
+    while started.elapsed() < limit {
+        match get(east, &format!("{MIRROR_URL}/{what}")).0 {
+            Ok(_) if done(&gateway_metrics(west).await) => return started.elapsed(),
+            Ok(_) => last = "answered; the gateway's metrics do not show it yet".into(),
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    panic!("{what}: not within {limit:?}; last: {last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn east_calls_west_through_installed_strait() {
+    if !root_or_skip("east_calls_west_through_installed_strait") {
+        return;
+    }
+    let strait = Path::new(env!("CARGO_BIN_EXE_strait"));
+    let started = Instant::now();
+    let mesh = InstalledMesh::start(strait, strait.parent().unwrap(), 2)
+        .await
+        .expect("Strait installed in two real-node clusters");
+    eprintln!(
+        "MEASURED two real-node clusters, Strait installed and linked: {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let east = mesh.east.cluster().kubeconfig_path();
+    let west = mesh.west.cluster().kubeconfig_path();
+
+    apply(&west, &app(images::BACKEND_IMAGE)).unwrap();
+    apply(&east, &client(images::BACKEND_IMAGE)).unwrap();
+    kubectl_until(
+        &west,
+        &[
+            "rollout",
+            "status",
+            "-n",
+            "shop",
+            "deploy/web",
+            "--timeout=10s",
+        ],
+        Duration::from_secs(90),
+    )
+    .unwrap();
+    kubectl_until(
+        &east,
+        &[
+            "rollout",
+            "status",
+            "-n",
+            "shop",
+            "deploy/client",
+            "--timeout=10s",
+        ],
+        Duration::from_secs(90),
+    )
+    .unwrap();
+    mesh.strait(&[
+        "export",
+        "svc/web",
+        "-n",
+        "shop",
+        "--kubeconfig",
+        &west.display().to_string(),
+        "--context",
+        "west",
+    ])
+    .unwrap();
+    // The mirror the controller (a pod in east) writes from west's API,
+    // which it watches across the WAN.
+    kubectl_until(
+        &east,
+        &["get", "svc", "-n", "shop", "web-west"],
+        Duration::from_secs(60),
+    )
+    .unwrap();
+
+    // 1. HTTP/1 through the gateway over QUIC, with the caller's identity.
+    let took = until_answered("first", &east, &west, Duration::from_secs(60), |m| {
+        metric_sum(m, "gateway_streams_total", &["transport=\"quic\""]) >= 1.0
+    })
+    .await;
+    eprintln!("MEASURED export → first answer through the gateway: {took:?}");
+    let (body, _) = get(&east, &format!("{MIRROR_URL}/hello"));
+    let body = body.expect("answered");
+    assert!(
+        body.contains(CALLER),
+        "the west pod saw the caller's identity: {body}"
+    );
+
+    // 2. UDP blocked: the proxies fall back to TCP + TLS; unblocked: back to QUIC.
+    mesh.wan.block_udp().unwrap();
+    let blocked = until_answered("blocked", &east, &west, Duration::from_secs(30), |m| {
+        metric_sum(m, "gateway_connections_total", &["transport=\"tcp\""]) >= 1.0
+    })
+    .await;
+    mesh.wan.unblock_udp().unwrap();
+    let quic_before = metric_sum(
+        &gateway_metrics(&west).await,
+        "gateway_streams_total",
+        &["transport=\"quic\""],
+    );
+    let unblocked = until_answered("unblocked", &east, &west, Duration::from_secs(60), |m| {
+        metric_sum(m, "gateway_streams_total", &["transport=\"quic\""]) > quic_before
+    })
+    .await;
+    eprintln!(
+        "MEASURED block_udp → first TCP answer {blocked:?}; unblock → first QUIC stream {unblocked:?}"
+    );
+
+    // 3. The WAN cut: requests fail in bounded time; restored, they heal.
+    mesh.wan.cut().unwrap();
+    let (cut, cut_took) = get(&east, &format!("{MIRROR_URL}/cut"));
+    assert!(cut.is_err(), "answered across a cut WAN: {cut:?}");
+    mesh.wan.restore().unwrap();
+    let restored =
+        until_answered("restored", &east, &west, Duration::from_secs(60), |_| true).await;
+    eprintln!(
+        "MEASURED cut WAN → request failed after {cut_took:?}; restore → first answer {restored:?}"
+    );
+    assert!(
+        cut_took < Duration::from_secs(15),
+        "a request over the cut WAN hung for {cut_took:?}"
+    );
+
+    // 4. The gateway pod deleted (it drains, then exits): its Deployment
+    // replaces it, and calls resume through the new pod.
+    let selector = "app.kubernetes.io/name=strait-gateway";
+    let old = kubectl(
+        &west,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "strait-system",
+            "-l",
+            selector,
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    let deleted = Instant::now();
+    kubectl(
+        &west,
+        &[
+            "delete",
+            "pod",
+            "-n",
+            "strait-system",
+            "-l",
+            selector,
+            "--wait=true",
+            "--timeout=90s",
+        ],
+        None,
+    );
+    let gone = deleted.elapsed();
+    let now = kubectl(
+        &west,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "strait-system",
+            "-l",
+            selector,
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert!(
+        !now.trim().is_empty() && now.trim() != old.trim(),
+        "a new gateway pod replaced {old}: {now}"
+    );
+    let replaced = until_answered("replaced", &east, &west, Duration::from_secs(120), |m| {
+        // The new pod's own counters: it carried the call.
+        metric_sum(m, "gateway_streams_total", &[]) >= 1.0
+    })
+    .await;
+    eprintln!(
+        "MEASURED gateway pod deleted → old pod gone after {gone:?} (drain) → first answer through its replacement {replaced:?}"
+    );
+}
