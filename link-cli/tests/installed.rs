@@ -47,6 +47,8 @@ fn kubectl_until(kubeconfig: &Path, args: &[&str], limit: Duration) -> String {
     }
 }
 
+const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+
 const APP: &str = r#"apiVersion: v1
 kind: Namespace
 metadata: {name: shop}
@@ -250,7 +252,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         "answered by a web pod: {body}"
     );
     assert!(
-        body.contains("spiffe://cluster.local/ns/shop/sa/client"),
+        body.contains(CALLER),
         "the destination saw the caller's identity (through both node proxies): {body}"
     );
     // The hostPort through the portmap plugin (as kind's CNI has it)
@@ -293,6 +295,191 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         "a masqueraded caller is refused with the reason: {said}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    // A DaemonSet rollout of the node proxy (a new image tag) under 200 rps
+    // between two pods: how many requests fail, and how long each node's
+    // traffic had no proxy. Measured and reported (see ARCHITECTURE.md,
+    // "Rolling operations"); the test holds that the rollout completes and
+    // that traffic flows through the new proxies afterwards.
+    let next_tag = format!("{}-next", images::DEFAULT_TAG);
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_strait")).parent().unwrap();
+    let next = images::strait_images(bin_dir, images::DEFAULT_REGISTRY, &next_tag)
+        .unwrap()
+        .into_iter()
+        .find(|i| i.name.contains("strait-proxy"))
+        .unwrap();
+    let next_archive = images::cached_archive(&next).unwrap();
+    for node in topology.real_nodes() {
+        node.import_image(&next_archive).unwrap();
+    }
+    let proxy_service = kubectl(
+        &kubeconfig,
+        &[
+            "get",
+            "svc",
+            "-n",
+            "strait-system",
+            "strait-proxy",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ],
+        None,
+    );
+    let load_kubeconfig = kubeconfig.clone();
+    let load = std::thread::spawn(move || {
+        kubectl_output(
+            &load_kubeconfig,
+            &[
+                "exec",
+                "-n",
+                "shop",
+                "deploy/client",
+                "--",
+                "/usr/local/bin/strait-load",
+                "--connect",
+                &format!("{proxy_service}:4140"),
+                "--uri",
+                "http://web.shop.svc.cluster.local/",
+                "--host",
+                "web.shop.svc.cluster.local",
+                "--rate",
+                "200",
+                "--connections",
+                "4",
+                "--body",
+                "0",
+                "--warmup",
+                "1s",
+                "--duration",
+                "80s",
+            ],
+            None,
+        )
+    });
+    std::thread::sleep(Duration::from_secs(5));
+    // Per node, how long no node proxy was Ready and not terminating (new
+    // connections had nowhere to go), seen from the API every 100 ms.
+    let watch_client = topology.cluster().client();
+    let (stop_watch, mut stopped) = tokio::sync::watch::channel(false);
+    let watcher = tokio::spawn(async move {
+        use k8s_openapi::api::core::v1::Pod;
+        let pods: kube::Api<Pod> = kube::Api::namespaced(watch_client, "strait-system");
+        let params = kube::api::ListParams::default().labels("app.kubernetes.io/name=strait-proxy");
+        let mut unserved: std::collections::BTreeMap<String, Duration> = Default::default();
+        let mut last = Instant::now();
+        loop {
+            if let Ok(list) = pods.list(&params).await {
+                let now = Instant::now();
+                for node in ["east-node-1", "east-node-2"] {
+                    let serving = list.items.iter().any(|p| {
+                        p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                            && p.metadata.deletion_timestamp.is_none()
+                            && p.status
+                                .as_ref()
+                                .and_then(|s| s.conditions.as_ref())
+                                .is_some_and(|c| {
+                                    c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                                })
+                    });
+                    if !serving {
+                        *unserved.entry(node.to_string()).or_default() += now - last;
+                    }
+                }
+                last = now;
+            }
+            tokio::select! {
+                _ = stopped.changed() => return unserved,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    let rollout_started = Instant::now();
+    kubectl(
+        &kubeconfig,
+        &[
+            "set",
+            "image",
+            "-n",
+            "strait-system",
+            "ds/strait-proxy",
+            &format!("proxy={}", next.name),
+        ],
+        None,
+    );
+    let status_kubeconfig = kubeconfig.clone();
+    tokio::task::spawn_blocking(move || {
+        kubectl_until(
+            &status_kubeconfig,
+            &[
+                "rollout",
+                "status",
+                "-n",
+                "strait-system",
+                "ds/strait-proxy",
+                "--timeout=10s",
+            ],
+            Duration::from_secs(150),
+        )
+    })
+    .await
+    .unwrap();
+    let rollout = rollout_started.elapsed();
+    stop_watch.send(true).unwrap();
+    let unserved = watcher.await.unwrap();
+    let load = tokio::task::spawn_blocking(move || load.join().unwrap())
+        .await
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap_or_else(|e| {
+        panic!(
+            "strait-load's report ({e}): {}{}",
+            String::from_utf8_lossy(&load.stdout),
+            String::from_utf8_lossy(&load.stderr)
+        )
+    });
+    eprintln!(
+        "MEASURED node-proxy rollout to {next_tag} under 200 rps: rollout {rollout:?}; no Ready proxy per node {unserved:?}; load {report}"
+    );
+    assert!(
+        rollout < Duration::from_secs(75),
+        "the rollout ({rollout:?}) outlasted the load it was measured under"
+    );
+    let images_now = kubectl(
+        &kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "strait-system",
+            "-l",
+            "app.kubernetes.io/name=strait-proxy",
+            "-o",
+            "jsonpath={.items[*].spec.containers[0].image}",
+        ],
+        None,
+    );
+    assert_eq!(
+        images_now
+            .split_whitespace()
+            .filter(|i| i.ends_with(&next_tag))
+            .count(),
+        2,
+        "both nodes run the new proxy: {images_now}"
+    );
+    let after = kubectl_until(
+        &kubeconfig,
+        &[
+            "exec",
+            "-n",
+            "shop",
+            "deploy/client",
+            "--",
+            "/usr/local/bin/strait-backend",
+            "--get",
+            "http://web.shop.svc.cluster.local/after",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(after.contains(CALLER), "through the new proxies: {after}");
 
     // Uninstall: everything install made goes, the app stays.
     let removal = strait(&[

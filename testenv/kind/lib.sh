@@ -13,7 +13,6 @@ STRAIT_KIND_WORK="${STRAIT_KIND_WORK:-${TMPDIR:-/tmp}/strait-kind}"
 # and loaded into the kind nodes (never pushed).
 STRAIT_KIND_TAG="${STRAIT_KIND_TAG:-kind}"
 REGISTRY="ghcr.io/strait-dev"
-COMPONENTS=(identity mirror gateway proxy)
 
 say() { printf '\033[1;34m[strait-kind]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[31m[strait-kind] error:\033[0m %s\n' "$*" >&2; exit 1; }

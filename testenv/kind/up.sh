@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Two linked kind clusters running Strait, for people with Docker:
 #   1. kind clusters east and west (non-overlapping pod and Service ranges),
-#   2. Strait's images built (deploy/images/Dockerfile) and loaded into both,
+#   2. Strait's images built from release binaries by `strait-testenv images`
+#      (the same OCI archives testenv's real nodes import; no Dockerfile build)
+#      and loaded into both with `kind load image-archive`,
 #   3. one trust anchor and an issuer per cluster (`strait identity`),
 #   4. `strait install` into both (gateway Service as NodePort: kind has no
 #      load balancer; the nodes of both clusters share Docker's kind network),
@@ -33,8 +35,9 @@ docker info >/dev/null 2>&1 || die "docker is not running (or this user may not 
 mkdir -p "$STRAIT_KIND_WORK"
 cd "$STRAIT_ROOT" || exit 1
 
-say "building the strait CLI"
-cargo build --release --locked -p strait-cli
+say "building the strait CLI and the components (release)"
+cargo build --release --locked -p strait-cli -p strait-identity -p strait-mirror \
+  -p strait-gateway -p strait-proxy -p strait-testenv
 STRAIT="$STRAIT_ROOT/target/release/strait"
 
 for cluster in "${CLUSTERS[@]}"; do
@@ -46,12 +49,13 @@ for cluster in "${CLUSTERS[@]}"; do
   fi
 done
 
-for component in "${COMPONENTS[@]}"; do
-  image="$REGISTRY/strait-$component:$STRAIT_KIND_TAG"
-  say "building $image"
-  DOCKER_BUILDKIT=1 docker build -f deploy/images/Dockerfile --target "$component" -t "$image" .
+say "building the images ($REGISTRY/strait-<component>:$STRAIT_KIND_TAG) as OCI archives"
+mapfile -t archives < <("$STRAIT_ROOT/target/release/strait-testenv" images \
+  --bin-dir "$STRAIT_ROOT/target/release" --registry "$REGISTRY" --tag "$STRAIT_KIND_TAG" \
+  --out-dir "$STRAIT_KIND_WORK/images")
+for archive in "${archives[@]}"; do
   for cluster in "${CLUSTERS[@]}"; do
-    kind load docker-image "$image" --name "$cluster"
+    kind load image-archive "$archive" --name "$cluster"
   done
 done
 

@@ -1,10 +1,11 @@
 //! `strait-testenv demo` (what `bash scripts/demo.sh` runs): two clusters,
-//! east and west, with Strait's whole stack as processes on network-namespace
-//! nodes ([`crate::stack`]), linked with the real `strait link` and kubectl,
-//! and one service called from east to west through the QUIC gateway. It
-//! prints what happened with the evidence for each hop, and fails (non-zero
-//! exit) when a hop shows no evidence, so CI can run it
-//! (`testenv/tests/demo.rs`).
+//! east and west, on real nodes ([`crate::realnode`]: kubelet, containerd,
+//! kube-proxy, a scheduler and CoreDNS), Strait installed in each with
+//! `strait install | kubectl apply -f -` from images built here
+//! ([`crate::images`]), linked with `strait link | kubectl apply -f -`, and
+//! one service called from east to west through the QUIC gateway. It prints
+//! what happened with the evidence for each hop, and fails (non-zero exit)
+//! when a hop shows no evidence, so CI can run it (`testenv/tests/demo.rs`).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -12,28 +13,29 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use k8s_openapi::api::core::v1::Service;
-use kube::Api;
-use serde_json::json;
 
 mod evidence;
 
+use crate::installed;
 use crate::process::wait_for_stop_signal;
-use crate::stack::{Binaries, MeshCluster};
-use crate::{ClusterConfig, ClusterTopology, Wan, kubeconfig, net};
+use crate::stack::Binaries;
+use crate::{ClusterTopology, Wan, images, kubeconfig, net};
 
 const NAMESPACE: &str = "shop";
 const SERVICE: &str = "web";
 const MIRROR: &str = "web-west";
 const CALLER_SA: &str = "client";
 const NODES: usize = 2;
+/// Built into images (and the CLI run on the host).
 const BINARIES: &[&str] = &[
     "strait",
     "strait-identity",
     "strait-proxy",
     "strait-gateway",
     "strait-mirror",
+    "strait-cni",
     "strait-backend",
+    "strait-load",
 ];
 
 /// What `strait-testenv demo` was asked for.
@@ -135,11 +137,13 @@ impl Workdir {
     }
 }
 
-/// The demo's state. Fields drop in order: the WAN, then the clusters.
+/// The demo's state. Fields drop in order: the API endpoint and the WAN,
+/// then the clusters.
 struct Demo {
+    api_endpoint: Option<crate::net::RouterForward>,
     wan: Option<Wan>,
-    east: Option<MeshCluster>,
-    west: Option<MeshCluster>,
+    east: Option<ClusterTopology>,
+    west: Option<ClusterTopology>,
     binaries: Binaries,
     dir: PathBuf,
     kubeconfig: PathBuf,
@@ -157,6 +161,7 @@ struct Leftovers {
 impl Demo {
     fn new(binaries: Binaries, dir: &Path) -> anyhow::Result<Self> {
         Ok(Self {
+            api_endpoint: None,
             wan: None,
             east: None,
             west: None,
@@ -171,11 +176,11 @@ impl Demo {
         })
     }
 
-    fn east(&self) -> &MeshCluster {
+    fn east(&self) -> &ClusterTopology {
         self.east.as_ref().expect("east is up")
     }
 
-    fn west(&self) -> &MeshCluster {
+    fn west(&self) -> &ClusterTopology {
         self.west.as_ref().expect("west is up")
     }
 
@@ -275,11 +280,26 @@ impl Demo {
             ],
         )?;
 
+        self.narrator.step(
+            "Images: Strait's components, the pause image and the sample app as OCI archives (no Docker, no registry)",
+        );
+        let archives = installed::build_images(self.binaries.dir()).await?;
+        for archive in &archives {
+            let size = std::fs::metadata(archive).map(|m| m.len()).unwrap_or(0);
+            say(format!(
+                "{:<58} {:>6.1} MiB",
+                archive
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                size as f64 / (1 << 20) as f64
+            ));
+        }
+
         self.narrator.step(&format!(
-            "Two clusters, east and west, {NODES} nodes each (real kube-apiserver, etcd, controller-manager; nodes and pods are network namespaces)"
+            "Two clusters, east and west, {NODES} real nodes each (kubelet, containerd + runc, kube-proxy; a scheduler and CoreDNS per cluster), every image imported into every node"
         ));
-        let (east, west) = tokio::join!(start_cluster("east", 0), start_cluster("west", 1));
-        let (east, west) = (east?, west?);
+        let (east, west) = installed::start_clusters(&archives, NODES).await?;
         let merged = kubeconfig::merge([
             east.cluster().kubeconfig().clone(),
             west.cluster().kubeconfig().clone(),
@@ -295,27 +315,64 @@ impl Demo {
                 lan.cidr(),
                 lan.host_interface()
             ));
-            for node in t.nodes() {
-                say(format!(
-                    "      node {:<12} {:<12} pods {}",
-                    node.name(),
-                    node.ip(),
-                    node.pod_cidr()
-                ));
-            }
         }
+        self.east = Some(east);
+        self.west = Some(west);
         say(format!("export KUBECONFIG={}", self.kubeconfig.display()));
-        self.east = Some(MeshCluster::new(east, self.binaries.clone(), &self.dir)?);
-        self.west = Some(MeshCluster::new(west, self.binaries.clone(), &self.dir)?);
+        self.shown(
+            "kubectl",
+            &["--context", "east", "get", "nodes", "-o", "wide"],
+        )?;
 
         self.narrator.step(
-            "Identity: an issuer per cluster signed by the anchor, and the real strait-identity process",
+            "Install: an issuer per cluster signed by the anchor, then `strait install | kubectl apply -f -`",
         );
-        let ns_manifest = "deploy/namespace.yaml";
+        let anchor_cert = anchor_dir.join("ca.crt").to_string_lossy().into_owned();
+        let anchor_key = anchor_dir.join("ca.key").to_string_lossy().into_owned();
         for name in ["east", "west"] {
-            self.shown("kubectl", &["--context", name, "apply", "-f", ns_manifest])?;
-            let anchor_cert = anchor_dir.join("ca.crt").to_string_lossy().into_owned();
-            let anchor_key = anchor_dir.join("ca.key").to_string_lossy().into_owned();
+            let identity = self.dir.join(name).to_string_lossy().into_owned();
+            self.shown(
+                "strait",
+                &[
+                    "identity",
+                    "issuer",
+                    "--anchor-cert",
+                    &anchor_cert,
+                    "--anchor-key",
+                    &anchor_key,
+                    "--cluster",
+                    name,
+                    "--out-dir",
+                    &identity,
+                ],
+            )?;
+            self.piped(
+                (
+                    "strait",
+                    &[
+                        "install",
+                        "--identity-dir",
+                        &identity,
+                        "--gateway-service-type",
+                        "NodePort",
+                    ],
+                ),
+                ("kubectl", &["--context", name, "apply", "-f", "-"]),
+            )?;
+        }
+        let installing = Instant::now();
+        for t in [self.east(), self.west()] {
+            let kubeconfig = t.cluster().kubeconfig_path();
+            tokio::task::spawn_blocking(move || installed::wait_installed(&kubeconfig))
+                .await
+                .expect("wait task panicked")
+                .with_context(|| format!("Strait's pods in {}", t.cluster().name()))?;
+        }
+        say(format!(
+            "every component rolled out and Ready {:.1}s after the apply",
+            installing.elapsed().as_secs_f64()
+        ));
+        for name in ["east", "west"] {
             self.shown(
                 "kubectl",
                 &[
@@ -323,161 +380,92 @@ impl Demo {
                     name,
                     "-n",
                     "strait-system",
-                    "create",
-                    "configmap",
-                    "strait-trust-anchors",
-                    &format!("--from-file=ca.crt={anchor_cert}"),
+                    "get",
+                    "ds,deploy,pods",
+                    "-o",
+                    "wide",
                 ],
             )?;
-            self.piped(
-                (
-                    "strait",
-                    &[
-                        "identity",
-                        "issuer",
-                        "--anchor-cert",
-                        &anchor_cert,
-                        "--anchor-key",
-                        &anchor_key,
-                        "--cluster",
-                        name,
-                        "-o",
-                        "yaml",
-                    ],
-                ),
-                ("kubectl", &["--context", name, "apply", "-f", "-"]),
-            )?;
         }
-        {
-            let (east, west) = (self.east.as_mut().unwrap(), self.west.as_mut().unwrap());
-            let (a, b) = tokio::join!(east.start_issuer(), west.start_issuer());
-            a?;
-            b?;
-        }
-        for c in [self.east(), self.west()] {
-            let issuer = c.issuer().expect("started");
-            say(format!(
-                "{:<5} strait-identity on {} (TokenReview, node binding; mounts Secret strait-system/strait-identity-issuer)",
-                c.name(),
-                issuer.addr
-            ));
-        }
-
-        self.narrator.step(
-            "Node proxies on every node; each gets its certificate from its cluster's issuer with a pod-bound projected token",
-        );
-        {
-            let (east, west) = (self.east.as_mut().unwrap(), self.west.as_mut().unwrap());
-            let (a, b) = tokio::join!(east.start_node_proxies(), west.start_node_proxies());
-            a?;
-            b?;
-        }
-        for c in [self.east(), self.west()] {
-            for node in c.topology().nodes() {
-                say(format!(
-                    "{:<5} strait-proxy on {:<12} outbound {}:4140, inbound {}:4143 (mTLS), ready",
-                    c.name(),
-                    node.name(),
-                    node.ip(),
-                    node.ip()
-                ));
-            }
-        }
+        self.shown(
+            "kubectl",
+            &[
+                "--context",
+                "east",
+                "-n",
+                "strait-multicluster",
+                "get",
+                "deploy,pods",
+                "-o",
+                "wide",
+            ],
+        )?;
         self.issuance_evidence().await?;
 
         self.narrator.step(
-            "West: the gateway (QUIC + mTLS on 4143) as a pod, reachable from east only across the WAN",
+            "WAN: the clusters' LANs joined by a router that forwards only to west's gateway NodePort and API endpoint",
         );
-        let gateway_ip = self.west.as_mut().unwrap().start_gateway(NODES - 1).await?;
-        let wan = Wan::connect(&[
-            self.east().topology().network(),
-            self.west().topology().network(),
-        ])?;
-        wan.expose_pod(
-            self.west()
-                .pod("strait-gateway-0")
-                .context("the gateway pod")?,
-            &[4143],
-        )?;
+        let wan = Wan::connect(&[self.east().network(), self.west().network()])?;
+        let (gateway_ip, api_endpoint) = installed::expose_west(&wan, self.west())?;
         self.wan = Some(wan);
+        self.api_endpoint = Some(api_endpoint);
+        let gateway_pod = self.gateway_pod().await?;
         say(format!(
-            "west  strait-gateway on {} at {gateway_ip}:4143 (udp QUIC, tcp TLS fallback); Service strait-system/strait-gateway LoadBalancer {gateway_ip}",
-            self.west().topology().nodes()[NODES - 1].name()
+            "west  strait-gateway on {} at {gateway_ip}:{} (the NodePort of Service strait-system/strait-gateway; udp QUIC, tcp TLS fallback) → pod {} ({}) on {}",
+            self.west().node(0)?.name(),
+            installed::GATEWAY_NODE_PORT,
+            gateway_pod.name,
+            gateway_pod.ip,
+            gateway_pod.node,
         ));
-        say("WAN   east and west LANs joined by a router that forwards only to the gateway's 4143");
+        say(format!(
+            "west  API server reachable across the WAN at https://{}:{} (LAN router endpoint, as a cloud load balancer)",
+            self.west().network().router_ip(),
+            installed::API_ENDPOINT_PORT
+        ));
 
         self.narrator.step(&format!(
-            "West: the sample service {NAMESPACE}/{SERVICE} (strait-backend on both nodes); east: the caller pod"
+            "West: the sample service {NAMESPACE}/{SERVICE} (strait-backend, a pod on each node); east: the caller pod"
         ));
-        {
-            let west = self.west.as_mut().unwrap();
-            for (node, pod) in [(0, "web-1"), (1, "web-2")] {
-                west.add_pod(
-                    node,
-                    NAMESPACE,
-                    pod,
-                    "web",
-                    Some(SERVICE),
-                    &[("http", 8080)],
-                )
-                .await?;
-                west.run_in_pod(pod, "strait-backend", |ip| {
-                    vec![format!("--name={pod}"), format!("--http={ip}:8080")]
-                })?;
-            }
-            let svc: Service = serde_json::from_value(json!({
-                "metadata": {"name": SERVICE, "namespace": NAMESPACE},
-                "spec": {"selector": {"app": SERVICE},
-                         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
-            }))?;
-            Api::<Service>::namespaced(west.client(), NAMESPACE)
-                .create(&Default::default(), &svc)
-                .await
-                .context("create Service shop/web in west")?;
+        self.apply_shown("west", &web_manifests())?;
+        self.apply_shown("east", &caller_manifests())?;
+        let caller_pod = format!("pod/{CALLER_SA}");
+        for (context, pods) in [
+            ("west", vec!["pod/web-1", "pod/web-2"]),
+            ("east", vec![caller_pod.as_str()]),
+        ] {
+            let mut args = vec![
+                "--context",
+                context,
+                "-n",
+                NAMESPACE,
+                "wait",
+                "--for=condition=Ready",
+            ];
+            args.extend(pods);
+            args.push("--timeout=120s");
+            self.shown("kubectl", &args)?;
         }
-        for pod in ["web-1", "web-2"] {
-            let p = self.west().pod(pod).context("a backend pod")?;
-            say(format!(
-                "west  pod {NAMESPACE}/{pod} {} on {}: strait-backend (answers with its pod name)",
-                p.ip(),
-                p.node().name()
-            ));
-        }
-        say(format!(
-            "west  Service {NAMESPACE}/{SERVICE} port 80 → http (8080)"
-        ));
-        self.east
-            .as_mut()
-            .unwrap()
-            .add_pod(0, NAMESPACE, CALLER_SA, CALLER_SA, None, &[])
-            .await?;
-        let caller = self.east().pod(CALLER_SA).context("the caller pod")?;
-        say(format!(
-            "east  pod {NAMESPACE}/{CALLER_SA} {} on {} (ServiceAccount {CALLER_SA}), http_proxy=http://{}:4140",
-            caller.ip(),
-            caller.node().name(),
-            caller.node().ip()
-        ));
-
-        self.narrator.step(
-            "East: the mirror controller (its identity from east's issuer, for gateway probes)",
-        );
-        self.east
-            .as_mut()
-            .unwrap()
-            .start_mirror_controller()
-            .await?;
-        say(
-            "east  strait-mirror running on the host (it must reach west's API server, which testenv serves on the host; nodes cannot), Link CRD + RBAC from deploy/mirror",
-        );
+        self.shown(
+            "kubectl",
+            &[
+                "--context",
+                "west",
+                "-n",
+                NAMESPACE,
+                "get",
+                "pods,svc",
+                "-o",
+                "wide",
+            ],
+        )?;
 
         self.narrator
             .step("Link: west's credentials and gateway into east, with the real CLI");
+        let gateway = installed::link_args(self.west(), gateway_ip);
+        let gateway: Vec<&str> = gateway.iter().map(String::as_str).collect();
         self.piped(
-            (
-                "strait",
-                &["link", "--context", "west", "--cluster-name", "west"],
-            ),
+            ("strait", &gateway),
             ("kubectl", &["--context", "east", "apply", "-f", "-"]),
         )?;
 
@@ -485,8 +473,9 @@ impl Demo {
         let exported_at = Instant::now();
         self.export_service(SERVICE)?;
 
-        self.narrator
-            .step("Mirror: the controller writes web-west in east, endpoints at west's gateway");
+        self.narrator.step(
+            "Mirror: the controller (a pod in east, watching west's API across the WAN) writes web-west, endpoints at west's gateway",
+        );
         let mirror = self.wait_for_mirror(gateway_ip).await?;
         say(format!(
             "mirror ready {:.1}s after the export label was set",
@@ -517,6 +506,42 @@ impl Demo {
             self.narrator.start.elapsed().as_secs_f64()
         );
         Ok(())
+    }
+
+    /// `kubectl --context <context> apply -f -` of `manifests`, shown.
+    fn apply_shown(&self, context: &str, manifests: &str) -> anyhow::Result<()> {
+        say(format!("$ kubectl --context {context} apply -f - <<EOF"));
+        for line in manifests.lines() {
+            say(format!("  {line}"));
+        }
+        say("EOF");
+        let out = crate::kubectl_output(
+            &self.kubeconfig,
+            &["--context", context, "apply", "-f", "-"],
+            Some(manifests),
+        );
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            say(format!("  {line}"));
+        }
+        ensure!(
+            out.status.success(),
+            "kubectl --context {context} apply failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// West's gateway pod: its name, address and node.
+    async fn gateway_pod(&self) -> anyhow::Result<evidence::PodInfo> {
+        evidence::PodInfo::find(
+            self.west(),
+            "strait-system",
+            "app.kubernetes.io/name=strait-gateway",
+        )
+        .await?
+        .into_iter()
+        .next()
+        .context("no gateway pod in west")
     }
 
     /// Exports west's Service with the real CLI (it sets the export label).
@@ -562,50 +587,46 @@ impl Demo {
         Ok(())
     }
 
-    /// Waits for Ctrl-C, refreshing the identity tokens meanwhile.
+    /// Waits for Ctrl-C.
     async fn stay(&self) -> anyhow::Result<()> {
-        let caller = self.east().pod(CALLER_SA).context("the caller pod")?;
         println!("\n\x1b[1mThe demo stays up until Ctrl-C.\x1b[0m Try:");
         println!("  export KUBECONFIG={}", self.kubeconfig.display());
+        println!("  kubectl --context east -n strait-system get ds,deploy,pods -o wide");
         println!("  kubectl --context east -n {NAMESPACE} get svc,endpointslices");
         println!("  kubectl --context east -n strait-multicluster get links");
-        println!("  kubectl --context west get pods -A -o wide");
-        println!(
-            "  nsenter --net=/proc/{}/ns/net curl -x http://{}:4140 http://{MIRROR}.{NAMESPACE}.svc.cluster.local/   # as east's pod",
-            caller.anchor_pid(),
-            caller.node().ip()
-        );
+        println!("  kubectl --context west -n strait-system logs deploy/strait-gateway");
+        if let Ok(pid) = self.east().pod_process(NAMESPACE, CALLER_SA).await {
+            println!(
+                "  nsenter --net=/proc/{pid}/ns/net curl -x http://{}:4140 http://{MIRROR}.{NAMESPACE}.svc.cluster.local/   # as east's pod",
+                self.node_proxy_service().await.unwrap_or_default()
+            );
+        }
         println!(
             "  {} unlink --context east --target-context west --cluster-name west",
             self.binaries.path("strait").display()
         );
         println!("  logs and certificates: {}", self.dir.display());
-        let mut refresh = tokio::time::interval(crate::stack::IDENTITY_TOKEN_TTL.mul_f64(0.5));
-        refresh.tick().await;
-        loop {
-            tokio::select! {
-                stop = wait_for_stop_signal() => { stop?; break; }
-                _ = refresh.tick() => {
-                    for c in [self.east(), self.west()] {
-                        if let Err(e) = c.refresh_tokens().await {
-                            eprintln!("[demo] {}: refreshing identity tokens: {e:#}", c.name());
-                        }
-                    }
-                }
-            }
-        }
+        wait_for_stop_signal().await?;
         println!("\n[demo] stopping…");
         Ok(())
     }
 
     /// Stops everything and checks that nothing is left.
     fn tear_down(&mut self) -> anyhow::Result<()> {
-        for c in self.east.iter().chain(self.west.iter()) {
-            self.leftovers.pids.extend(c.pids());
+        for t in self.east.iter().chain(self.west.iter()) {
+            self.leftovers.pids.extend(t.cluster().pids());
+            for node in t.real_nodes() {
+                // Daemons, shims and containers: everything of the node.
+                self.leftovers.pids.extend(node.pids());
+                self.leftovers.pids.extend(node.all_pids());
+            }
         }
         if let Some(wan) = &self.wan {
             self.leftovers.pids.push(wan.anchor_pid());
         }
+        self.leftovers.pids.sort_unstable();
+        self.leftovers.pids.dedup();
+        self.api_endpoint = None;
         self.wan = None;
         self.east = None;
         self.west = None;
@@ -643,11 +664,63 @@ impl Demo {
     }
 }
 
-async fn start_cluster(name: &str, index: usize) -> anyhow::Result<ClusterTopology> {
-    let mut config = ClusterConfig::new(name);
-    // Linked clusters must not share service ranges.
-    config.service_cidr = format!("10.{}.0.0/16", 96 + index);
-    ClusterTopology::start_with(config, NODES)
-        .await
-        .with_context(|| format!("start cluster {name}"))
+/// West's sample service: a strait-backend pod on each node, and its Service.
+fn web_manifests() -> String {
+    let pod = |name: &str, node: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NAMESPACE}, labels: {{app: {SERVICE}}}}}
+spec:
+  serviceAccountName: {SERVICE}
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  containers:
+    - name: web
+      image: {image}
+      args: ["--name={name}", "--http=0.0.0.0:8080"]
+      ports: [{{name: http, containerPort: 8080}}]
+      readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
+"#,
+            image = images::BACKEND_IMAGE
+        )
+    };
+    format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n---\n\
+         apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: {SERVICE}, namespace: {NAMESPACE}}}\n---\n\
+         {}---\n{}---\n\
+         apiVersion: v1\nkind: Service\nmetadata: {{name: {SERVICE}, namespace: {NAMESPACE}}}\n\
+         spec:\n  selector: {{app: {SERVICE}}}\n  ports: [{{name: http, port: 80, targetPort: http}}]\n",
+        pod("web-1", "west-node-1"),
+        pod("web-2", "west-node-2"),
+    )
+}
+
+/// East's caller: a pod of ServiceAccount `client` whose app uses its node
+/// proxy through the strait-proxy Service.
+fn caller_manifests() -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: {NAMESPACE}}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: {CALLER_SA}, namespace: {NAMESPACE}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {CALLER_SA}, namespace: {NAMESPACE}}}
+spec:
+  serviceAccountName: {CALLER_SA}
+  nodeSelector: {{kubernetes.io/hostname: east-node-1}}
+  containers:
+    - name: app
+      image: {image}
+      args: ["--name={CALLER_SA}", "--http=0.0.0.0:8080"]
+      env:
+        - name: http_proxy
+          value: http://strait-proxy.strait-system.svc.cluster.local:4140
+"#,
+        image = images::BACKEND_IMAGE
+    )
 }

@@ -572,6 +572,19 @@ pub fn cached_archive(image: &Image) -> Result<PathBuf, ImageError> {
     let path = dir.join(format!("{file_name}-{hash}.tar"));
     if !path.exists() {
         image.write_archive(&path)?;
+        // Archives of this image from older inputs (earlier builds) are of no
+        // more use: the cache keeps one per image name.
+        let prefix = format!("{file_name}-");
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stale = name.starts_with(&prefix)
+                && name.ends_with(".tar")
+                && entry.path() != path
+                && name[prefix.len()..].len() == hash.len() + ".tar".len();
+            if stale {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
     Ok(path)
 }

@@ -8,13 +8,13 @@
 //! router (socat in the LAN namespace forwards to the API server on the host;
 //! the certificate names it), which east's mirror controller, a pod, watches.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::process::ChildProcess;
+use crate::net::RouterForward;
 use crate::{ClusterConfig, ClusterTopology, Wan, images, kubectl_output};
 
 /// The gateway's NodePort (`strait install --gateway-node-port`'s default).
@@ -25,7 +25,7 @@ pub const API_ENDPOINT_PORT: u16 = 6443;
 /// Two clusters, east and west, with Strait installed and east linked to west.
 /// Fields drop in order: the API endpoint and WAN before the clusters.
 pub struct InstalledMesh {
-    api_endpoint: ChildProcess,
+    api_endpoint: RouterForward,
     pub wan: Wan,
     pub east: ClusterTopology,
     pub west: ClusterTopology,
@@ -104,31 +104,86 @@ pub fn wait_installed(kubeconfig: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The image archives real nodes of an installed mesh import: pause, the
+/// test backend, and Strait's components, from the binaries in `bin_dir`.
+pub async fn build_images(bin_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let bins = bin_dir.to_path_buf();
+    Ok(tokio::task::spawn_blocking(move || {
+        let mut all = images::node_archives(&bins)?;
+        all.extend(images::strait_archives(&bins)?);
+        Ok::<_, images::ImageError>(all)
+    })
+    .await
+    .expect("image build task panicked")?)
+}
+
+/// East and west as real-node clusters (`nodes` each, Service ranges that do
+/// not overlap), every node importing `archives`.
+pub async fn start_clusters(
+    archives: &[PathBuf],
+    nodes: usize,
+) -> anyhow::Result<(ClusterTopology, ClusterTopology)> {
+    let config = |name: &str, service_cidr: &str| {
+        let mut config = ClusterConfig::new(name);
+        config.real_nodes = true;
+        config.node_images = archives.to_vec();
+        config.service_cidr = service_cidr.into();
+        config
+    };
+    Ok(tokio::try_join!(
+        async {
+            ClusterTopology::start_with(config("east", "10.96.0.0/16"), nodes)
+                .await
+                .context("start cluster east")
+        },
+        async {
+            ClusterTopology::start_with(config("west", "10.97.0.0/16"), nodes)
+                .await
+                .context("start cluster west")
+        },
+    )?)
+}
+
+/// What west shows the WAN: its gateway's NodePort on its first node (whose
+/// address is returned), and its API server behind the LAN router (the
+/// returned forward must live as long as the link).
+pub fn expose_west(wan: &Wan, west: &ClusterTopology) -> anyhow::Result<(Ipv4Addr, RouterForward)> {
+    let gateway_node = west.node(0)?.clone();
+    wan.expose_node(&gateway_node, &[GATEWAY_NODE_PORT])?;
+    let api = west
+        .cluster()
+        .server_url()
+        .trim_start_matches("https://")
+        .parse::<SocketAddr>()
+        .context("west's API server address")?;
+    let api_endpoint = west.network().forward_from_router(API_ENDPOINT_PORT, api)?;
+    wan.expose_router(west.network(), &[API_ENDPOINT_PORT])?;
+    Ok((gateway_node.ip(), api_endpoint))
+}
+
+/// The arguments of `strait link` for west as east reaches it across the WAN.
+pub fn link_args(west: &ClusterTopology, gateway: Ipv4Addr) -> Vec<String> {
+    vec![
+        "link".into(),
+        "--context".into(),
+        "west".into(),
+        "--cluster-name".into(),
+        "west".into(),
+        "--api-server-address".into(),
+        format!("https://{}:{API_ENDPOINT_PORT}", west.network().router_ip()),
+        "--gateway-addresses".into(),
+        gateway.to_string(),
+    ]
+}
+
 impl InstalledMesh {
     /// Builds the images from the binaries in `bin_dir` (debug or release),
     /// starts both clusters with `nodes` real nodes each, installs Strait in
     /// both with the `strait` CLI at `strait`, and links east to west.
     pub async fn start(strait: &Path, bin_dir: &Path, nodes: usize) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let bins = bin_dir.to_path_buf();
-        let archives = tokio::task::spawn_blocking(move || {
-            let mut all = images::node_archives(&bins)?;
-            all.extend(images::strait_archives(&bins)?);
-            Ok::<_, images::ImageError>(all)
-        })
-        .await
-        .expect("image build task panicked")?;
-        let config = |name: &str, service_cidr: &str| {
-            let mut config = ClusterConfig::new(name);
-            config.real_nodes = true;
-            config.node_images = archives.clone();
-            config.service_cidr = service_cidr.into();
-            config
-        };
-        let (east, west) = tokio::try_join!(
-            ClusterTopology::start_with(config("east", "10.96.0.0/16"), nodes),
-            ClusterTopology::start_with(config("west", "10.97.0.0/16"), nodes),
-        )?;
+        let archives = build_images(bin_dir).await?;
+        let (east, west) = start_clusters(&archives, nodes).await?;
         let wan = Wan::connect(&[east.network(), west.network()])?;
         tracing::info!(elapsed = ?started.elapsed(), "real-node clusters up");
 
@@ -178,39 +233,14 @@ impl InstalledMesh {
         }
         tracing::info!(elapsed = ?started.elapsed(), "Strait installed in east and west");
 
-        // What west shows the WAN: its gateway's NodePort on its first node,
-        // and its API server behind the LAN router.
-        let gateway_node = west.node(0)?.clone();
-        wan.expose_node(&gateway_node, &[GATEWAY_NODE_PORT])?;
-        let api = west
-            .cluster()
-            .server_url()
-            .trim_start_matches("https://")
-            .parse::<SocketAddr>()
-            .context("west's API server address")?;
-        let api_endpoint = west.network().forward_from_router(
-            API_ENDPOINT_PORT,
-            api,
-            &west.cluster().dir().join("logs").join("api-endpoint.log"),
-        )?;
-        wan.expose_router(west.network(), &[API_ENDPOINT_PORT])?;
-
-        let link = run_strait(
-            strait,
-            &[
-                "link",
-                "--kubeconfig",
-                &west.cluster().kubeconfig_path().display().to_string(),
-                "--context",
-                "west",
-                "--cluster-name",
-                "west",
-                "--api-server-address",
-                &format!("https://{}:{API_ENDPOINT_PORT}", west.network().router_ip()),
-                "--gateway-addresses",
-                &gateway_node.ip().to_string(),
-            ],
-        )?;
+        let (gateway, api_endpoint) = expose_west(&wan, &west)?;
+        let mut args = link_args(&west, gateway);
+        args.extend([
+            "--kubeconfig".into(),
+            west.cluster().kubeconfig_path().display().to_string(),
+        ]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let link = run_strait(strait, &args)?;
         apply(&east.cluster().kubeconfig_path(), &link)?;
         tracing::info!(elapsed = ?started.elapsed(), "east linked to west");
         Ok(Self {
@@ -241,8 +271,8 @@ impl InstalledMesh {
         ))
     }
 
-    /// Pid of the API endpoint process (for leak checks).
-    pub fn api_endpoint_pid(&self) -> Option<u32> {
-        self.api_endpoint.pid()
+    /// Whether west's API endpoint still forwards (it stops with the mesh).
+    pub fn api_endpoint_running(&self) -> bool {
+        !self.api_endpoint.is_finished()
     }
 }

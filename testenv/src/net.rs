@@ -394,26 +394,62 @@ impl ClusterNetwork {
         self.lan.router_ip()
     }
 
-    /// Forwards TCP `port` of the LAN router's address to `target` (socat in
-    /// the LAN namespace; the host's API server, say), as a cloud's load
-    /// balancer fronts an API server: with [`crate::Wan::expose_router`],
-    /// other clusters' pods reach it across the WAN. Dropping the process stops it.
+    /// Forwards TCP `port` of the LAN router's address to `target` on the
+    /// host (the API server, say), as a cloud's load balancer fronts an API
+    /// server: with [`crate::Wan::expose_router`], other clusters' pods reach
+    /// it across the WAN. The listener is made inside the LAN namespace by a
+    /// short-lived thread (a socket keeps the namespace it was made in); the
+    /// copying runs in this process's runtime, so it ends with the returned
+    /// guard, or with this process, and leaves nothing behind. Needs a tokio runtime.
     pub fn forward_from_router(
         &self,
         port: u16,
         target: std::net::SocketAddr,
-        log: &Path,
-    ) -> io::Result<ChildProcess> {
-        let args = [
-            format!(
-                "TCP-LISTEN:{port},bind={},fork,reuseaddr",
-                self.lan.router_ip()
-            ),
-            format!("TCP:{target}"),
-        ];
-        self.lan
-            .netns
-            .spawn("api endpoint", Path::new("socat"), &args, &[], log)
+    ) -> io::Result<RouterForward> {
+        let namespace = std::fs::File::open(format!("/proc/{}/ns/net", self.lan.netns.pid))?;
+        let addr = std::net::SocketAddr::from((self.lan.router_ip(), port));
+        let listener = std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> io::Result<std::net::TcpListener> {
+                    use std::os::fd::AsFd as _;
+                    rustix::thread::move_into_link_name_space(
+                        namespace.as_fd(),
+                        Some(rustix::thread::LinkNameSpaceType::Network),
+                    )?;
+                    let listener = std::net::TcpListener::bind(addr)?;
+                    listener.set_nonblocking(true)?;
+                    Ok(listener)
+                })
+                .join()
+                .map_err(|_| io::Error::other("the LAN namespace thread panicked"))?
+        })?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let task = tokio::spawn(async move {
+            // Connections live in this set: aborting the task drops it, which
+            // aborts them, so no socket keeps the LAN namespace (and its host
+            // interface) alive after the guard is gone.
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((mut inbound, _)) = accepted else { break };
+                        // Closed with a reset: a graceful close could leave an
+                        // orphaned socket retransmitting its FIN to a peer
+                        // whose network is already gone, holding the
+                        // namespace for minutes.
+                        let _ = socket2::SockRef::from(&inbound)
+                            .set_linger(Some(std::time::Duration::ZERO));
+                        connections.spawn(async move {
+                            if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                            }
+                        });
+                    }
+                    Some(_) = connections.join_next() => {}
+                }
+            }
+        });
+        Ok(RouterForward { task })
     }
 
     pub(crate) fn lan(&self) -> &Arc<Lan> {
@@ -744,5 +780,25 @@ impl NetPod {
             self.node.name(),
             std::net::IpAddr::V4(self.ip),
         )
+    }
+}
+
+/// A running [`ClusterNetwork::forward_from_router`]; dropping it stops it
+/// (connections being copied end with the runtime).
+#[derive(Debug)]
+pub struct RouterForward {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RouterForward {
+    /// Whether the forwarding task has ended (it should not while held).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Drop for RouterForward {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

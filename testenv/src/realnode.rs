@@ -526,6 +526,52 @@ impl RealNode {
         self.cgroup.pids()
     }
 
+    /// A process of the pod with this UID (its sandbox's or a container's),
+    /// found in the kubelet's pod cgroup: its namespaces are the pod's, e.g.
+    /// `nsenter --net=/proc/<pid>/ns/net` runs a host tool as the pod.
+    pub fn pod_process(&self, uid: &str) -> Option<u32> {
+        let wanted = format!("pod{uid}");
+        let pids = self
+            .cgroup
+            .hierarchies
+            .iter()
+            .find(|h| h.controllers.iter().any(|c| c == "pids"))?;
+        let mut stack = vec![pids.path.join(&self.cgroup.name).join("kubepods")];
+        while let Some(dir) = stack.pop() {
+            let is_pod = dir
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy() == wanted);
+            let entries = std::fs::read_dir(&dir).into_iter().flatten().flatten();
+            for entry in entries {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    stack.push(entry.path());
+                }
+            }
+            if is_pod {
+                // The pod's own cgroup holds no tasks: its containers' do.
+                let mut inner = vec![dir];
+                while let Some(d) = inner.pop() {
+                    if let Some(pid) = std::fs::read_to_string(d.join("cgroup.procs"))
+                        .ok()
+                        .and_then(|t| t.lines().find_map(|l| l.trim().parse().ok()))
+                    {
+                        return Some(pid);
+                    }
+                    inner.extend(
+                        std::fs::read_dir(&d)
+                            .into_iter()
+                            .flatten()
+                            .flatten()
+                            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                            .map(|e| e.path()),
+                    );
+                }
+                return None;
+            }
+        }
+        None
+    }
+
     /// Kills the kubelet (as a node failure would): the node's pods keep
     /// running, and the control plane marks the node NotReady after its grace
     /// period.

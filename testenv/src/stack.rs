@@ -92,6 +92,11 @@ impl Binaries {
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
+
+    /// The folder holding them (`target/<profile>`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
 }
 
 /// An identity token file a kubelet would keep fresh: which ServiceAccount,

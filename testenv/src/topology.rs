@@ -148,6 +148,30 @@ impl ClusterTopology {
         })
     }
 
+    /// A process of the real pod `namespace/name` (see [`RealNode::pod_process`]).
+    pub async fn pod_process(&self, namespace: &str, name: &str) -> anyhow::Result<u32> {
+        use anyhow::Context as _;
+        let pod = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(
+            self.cluster.client(),
+            namespace,
+        )
+        .get(name)
+        .await
+        .with_context(|| format!("Pod {namespace}/{name}"))?;
+        let uid = pod.metadata.uid.unwrap_or_default();
+        let node = pod
+            .spec
+            .and_then(|s| s.node_name)
+            .with_context(|| format!("Pod {namespace}/{name} is not on a node yet"))?;
+        let real = self
+            .real
+            .iter()
+            .find(|n| n.name() == node)
+            .with_context(|| format!("{node} is not a real node of this cluster"))?;
+        real.pod_process(&uid)
+            .with_context(|| format!("no process of Pod {namespace}/{name} (uid {uid}) on {node}"))
+    }
+
     /// The real nodes (empty unless the cluster runs them).
     pub fn real_nodes(&self) -> &[RealNode] {
         &self.real

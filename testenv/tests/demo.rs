@@ -1,12 +1,14 @@
 //! The README's main command runs in CI: `strait-testenv demo` (what
-//! `scripts/demo.sh` runs) in exit mode, its output checked for the facts it
-//! must show, and nothing of it left behind. Needs root and the workspace's
+//! `scripts/demo.sh` runs: real nodes, Strait installed with `strait
+//! install`) in exit mode, its output checked for the facts it must show, and
+//! nothing of it left behind. Needs root and the workspace's
 //! binaries (`cargo build --bins`; `cargo test --workspace` builds them).
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use strait_testenv::installed::GATEWAY_NODE_PORT;
 use strait_testenv::net::root_or_skip;
 
 const REQUESTS: usize = 40;
@@ -61,6 +63,34 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         "the demo failed ({status}):\n{out}\n{err}"
     );
 
+    // Strait's components are real pods, installed by `strait install`, Ready.
+    assert!(
+        out.contains("$ strait install --identity-dir "),
+        "installed with strait install:\n{out}"
+    );
+    for context in ["east", "west"] {
+        assert!(
+            out.contains(&format!(
+                "$ kubectl --context {context} -n strait-system get ds,deploy,pods -o wide"
+            )),
+            "{out}"
+        );
+    }
+    let ds = out
+        .lines()
+        .find(|l| l.contains("daemonset.apps/strait-proxy"))
+        .unwrap_or_else(|| panic!("no node-proxy DaemonSet shown:\n{out}"));
+    let columns: Vec<&str> = ds.split_whitespace().collect();
+    // NAME DESIRED CURRENT READY …: a Ready proxy on each of the 2 nodes.
+    assert_eq!(&columns[1..4], ["2", "2", "2"], "{ds}");
+    for deployment in ["strait-identity", "strait-gateway", "strait-mirror"] {
+        let line = out
+            .lines()
+            .find(|l| l.contains(&format!("deployment.apps/{deployment} ")))
+            .unwrap_or_else(|| panic!("no {deployment} shown:\n{out}"));
+        assert!(line.contains(" 1/1 "), "{deployment} Ready: {line}");
+    }
+
     // The mirror the controller wrote, pointing at the west gateway.
     let mirror = out
         .lines()
@@ -80,9 +110,9 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         .to_string();
     assert!(
         out.contains(&format!(
-            "EndpointSlice web-west: {gateway}:4143 ready=true"
+            "EndpointSlice web-west: {gateway}:{GATEWAY_NODE_PORT} ready=true"
         )),
-        "the mirror's endpoint is the gateway {gateway}:\n{out}"
+        "the mirror's endpoint is the gateway's NodePort {gateway}:{GATEWAY_NODE_PORT}:\n{out}"
     );
     assert!(
         out.contains("Link west: CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
@@ -91,7 +121,7 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
 
     // Every hop counted the request.
     for needle in [
-        "request_total{direction=outbound, dst=strait-system/strait-gateway}",
+        "request_total{direction=outbound, src=shop/client}",
         "gateway_streams_total{transport=quic, src=shop/client, dst_service=web}",
         "request_total{direction=inbound, src=shop/client}",
     ] {
@@ -102,7 +132,7 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
     }
     assert!(
         out.contains(&format!(
-            "QUIC (mTLS) across the WAN  →  west gateway {gateway}:4143"
+            "QUIC (mTLS) across the WAN  →  west gateway NodePort {gateway}:{GATEWAY_NODE_PORT}"
         )),
         "{out}"
     );

@@ -1,36 +1,90 @@
 //! The demo's evidence: what it reads from the clusters, the components'
 //! metrics and the WAN to show (and check) what happened to a request.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
+use kube::api::ListParams;
 use strait_mesh::link::Link;
 
 use super::{CALLER_SA, Demo, MIRROR, NAMESPACE, NODES, SERVICE, say};
-use crate::stack::{MeshCluster, metric_sum};
+use crate::ClusterTopology;
+use crate::installed::GATEWAY_NODE_PORT;
+use crate::stack::metric_sum;
+
+/// A running pod of Strait (or the app): what the evidence names.
+#[derive(Clone, Debug)]
+pub(super) struct PodInfo {
+    pub name: String,
+    pub ip: IpAddr,
+    pub node: String,
+}
+
+impl PodInfo {
+    /// The running pods matching `selector` in `namespace`.
+    pub async fn find(
+        cluster: &ClusterTopology,
+        namespace: &str,
+        selector: &str,
+    ) -> anyhow::Result<Vec<Self>> {
+        let pods = Api::<Pod>::namespaced(cluster.cluster().client(), namespace)
+            .list(&ListParams::default().labels(selector))
+            .await
+            .with_context(|| format!("pods {selector} in {namespace}"))?;
+        let mut out: Vec<Self> = pods
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| {
+                let status = p.status?;
+                (status.phase.as_deref() == Some("Running")).then_some(())?;
+                Some(Self {
+                    name: p.metadata.name?,
+                    ip: status.pod_ip?.parse().ok()?,
+                    node: p.spec?.node_name?,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(out)
+    }
+
+    /// The component's metrics (admin port 4191, which the host reaches).
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        crate::http_get(SocketAddr::new(self.ip, 4191), "/metrics")
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics of {}: {e}", self.name))
+    }
+}
 
 impl Demo {
     /// Evidence that certificates came from the issuers, not from files.
     pub(super) async fn issuance_evidence(&self) -> anyhow::Result<()> {
         for c in [self.east(), self.west()] {
-            let m = c.issuer().expect("started").metrics().await;
+            let issuer =
+                PodInfo::find(c, "strait-system", "app.kubernetes.io/name=strait-identity")
+                    .await?
+                    .into_iter()
+                    .next()
+                    .context("the issuer pod")?;
+            let m = issuer.metrics().await?;
             let issued = metric_sum(&m, "identity_issuance_total", &["result=\"issued\""])
                 + metric_sum(&m, "identity_issuance_total", &["result=\"success\""]);
             let all = metric_sum(&m, "identity_issuance_total", &[]);
             say(format!(
                 "{:<5} issuer: identity_issuance_total = {all} ({issued} issued)",
-                c.name()
+                c.cluster().name()
             ));
             ensure!(
                 all >= NODES as f64,
                 "{}'s issuer issued {all} certificates, but {NODES} node proxies are ready: where did their certificates come from?\n{m}",
-                c.name()
+                c.cluster().name()
             );
         }
         Ok(())
@@ -42,7 +96,7 @@ impl Demo {
         &self,
         gateway_ip: Ipv4Addr,
     ) -> anyhow::Result<Vec<String>> {
-        let client = self.east().client();
+        let client = self.east().cluster().client();
         let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
         let links: Api<Link> = Api::namespaced(client, "strait-multicluster");
@@ -65,38 +119,48 @@ impl Demo {
             if Instant::now() > deadline {
                 let link = links.get_opt("west").await?;
                 bail!(
-                    "no ready mirror {NAMESPACE}/{MIRROR} in east after 60s (Service: {}, EndpointSlice: {:?}); Link west status: {:?}; see {}",
+                    "no ready mirror {NAMESPACE}/{MIRROR} in east after 60s (Service: {}, EndpointSlice: {:?}); Link west status: {:?}; see `kubectl --context east -n strait-multicluster logs deploy/strait-mirror`",
                     svc.is_some(),
                     slice.map(|s| s.endpoints),
                     link.and_then(|l| l.status),
-                    self.east()
-                        .component("strait-mirror-0")
-                        .map(|c| c.process.log_path().display().to_string())
-                        .unwrap_or_default()
                 );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
-    /// The caller pod's curl through its node proxy (`http_proxy`).
-    fn curl(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
-        let caller = self.east().pod(CALLER_SA).context("the caller pod")?;
-        let proxy = format!("http://{}:4140", caller.node().ip());
-        caller
-            .command("curl")
-            .args(["-sS", "-x", &proxy])
+    /// The strait-proxy Service's address in east (`internalTrafficPolicy:
+    /// Local`: a pod's connection goes to its own node's proxy).
+    pub(super) async fn node_proxy_service(&self) -> anyhow::Result<String> {
+        Api::<Service>::namespaced(self.east().cluster().client(), "strait-system")
+            .get("strait-proxy")
+            .await?
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .context("the strait-proxy Service has no ClusterIP")
+    }
+
+    /// curl in the caller pod's network namespace (the pod's address, so its
+    /// identity) through its node proxy, as the app's `http_proxy` says.
+    async fn curl(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let pid = self.east().pod_process(NAMESPACE, CALLER_SA).await?;
+        let proxy = format!("http://{}:4140", self.node_proxy_service().await?);
+        Command::new("nsenter")
+            .arg(format!("--net=/proc/{pid}/ns/net"))
+            .args(["--", "curl", "-sS", "-x", &proxy])
             .args(args)
             .output()
-            .context("run curl in the caller pod (package curl)")
+            .context("run curl in the caller pod's network namespace (package curl)")
     }
 
     pub(super) async fn traced_request(&self, gateway_ip: Ipv4Addr) -> anyhow::Result<()> {
-        let east = self.east();
-        let west = self.west();
-        let caller = east.pod(CALLER_SA).context("the caller pod")?;
-        let east_proxy = format!("strait-proxy-{}", caller.node().name());
-        let before = Snapshot::take(east, west, &east_proxy).await?;
+        let caller = PodInfo::find(self.east(), NAMESPACE, "")
+            .await?
+            .into_iter()
+            .find(|p| p.name == CALLER_SA)
+            .context("the caller pod")?;
+        let east_proxy = self.node_proxy_on(&caller.node).await?;
+        let before = Snapshot::take(self, &east_proxy).await?;
         let pcap = self.dir.join("wan.pcap");
         let capture = self
             .wan
@@ -106,12 +170,11 @@ impl Demo {
             .context("capture the WAN (tcpdump)")?;
         let url = format!("http://{MIRROR}.{NAMESPACE}.svc.cluster.local/hello");
         say(format!(
-            "$ curl -x http://{}:4140 {url}     (in pod {NAMESPACE}/{CALLER_SA})",
-            caller.node().ip()
+            "$ curl -x http://strait-proxy.strait-system:4140 {url}     (in pod {NAMESPACE}/{CALLER_SA}'s network namespace)"
         ));
         let mut failures = Vec::new();
         let answer = loop {
-            let out = self.curl(&["--max-time", "10", &url])?;
+            let out = self.curl(&["--max-time", "10", &url]).await?;
             let body = String::from_utf8_lossy(&out.stdout).to_string();
             match serde_json::from_str::<serde_json::Value>(&body) {
                 Ok(v) if out.status.success() && v["pod"].is_string() => break v,
@@ -142,36 +205,40 @@ impl Demo {
         }
         say(format!("  {answer}"));
         let pod_name = answer["pod"].as_str().unwrap_or_default().to_string();
-        let backend = west
-            .pod(&pod_name)
+        let backend = PodInfo::find(self.west(), NAMESPACE, &format!("app={SERVICE}"))
+            .await?
+            .into_iter()
+            .find(|p| p.name == pod_name)
             .with_context(|| format!("the answer names pod {pod_name}, which west does not run"))?;
-        let west_proxy = format!("strait-proxy-{}", backend.node().name());
-        let after = Snapshot::take(east, west, &east_proxy).await?;
+        let west_proxy = self.west_proxy_on(&backend.node).await?;
+        let gateway = self.gateway_pod().await?;
+        let after = Snapshot::take(self, &east_proxy).await?;
         let wan = WanEvidence::read(capture.stop()?, &pcap, gateway_ip)?;
         let d = after.minus(&before, &west_proxy);
 
         say("");
         say("path (each hop with its evidence):");
         say(format!(
-            "  1. pod {NAMESPACE}/{CALLER_SA} ({}) on {}  →  east node proxy on {} ({}:4140)",
-            caller.ip(),
-            caller.node().name(),
-            caller.node().name(),
-            caller.node().ip()
+            "  1. pod {NAMESPACE}/{CALLER_SA} ({}) on {}  →  east node proxy {} ({}:4140, via the strait-proxy Service)",
+            caller.ip, caller.node, east_proxy.name, east_proxy.ip
         ));
         say(format!(
-            "     evidence: {east_proxy} request_total{{direction=outbound, dst=strait-system/strait-gateway}} +{}",
-            d.east_outbound
+            "     evidence: {} request_total{{direction=outbound, src=shop/client}} +{}",
+            east_proxy.name, d.east_outbound
         ));
         say(format!(
-            "  2. east node proxy  →  QUIC (mTLS) across the WAN  →  west gateway {gateway_ip}:4143"
+            "  2. east node proxy  →  QUIC (mTLS) across the WAN  →  west gateway NodePort {gateway_ip}:{GATEWAY_NODE_PORT}  →  pod {} on {}",
+            gateway.name, gateway.node
         ));
         say(format!(
-            "     evidence: strait-gateway-0 gateway_streams_total{{transport=quic, src=shop/client, dst_service=web}} +{} (QUIC connections accepted so far: {}; tunnel probes answered: {})",
-            d.gateway_quic_streams, after.gateway_quic_connections, after.gateway_probes
+            "     evidence: {} gateway_streams_total{{transport=quic, src=shop/client, dst_service=web}} +{} (QUIC connections accepted so far: {}; tunnel probes answered: {})",
+            gateway.name,
+            d.gateway_quic_streams,
+            after.gateway_quic_connections,
+            after.gateway_probes
         ));
         say(format!(
-            "     evidence: the WAN's capture holds {} UDP and {} TCP packets to/from {gateway_ip}:4143, and none of {:?} in clear text{}",
+            "     evidence: the WAN's capture holds {} UDP and {} TCP packets to/from {gateway_ip}:{GATEWAY_NODE_PORT}, and none of {:?} in clear text{}",
             wan.udp,
             wan.tcp,
             WanEvidence::NEEDLES,
@@ -182,17 +249,16 @@ impl Demo {
             }
         ));
         say(format!(
-            "  3. west gateway  →  west node proxy on {} ({}:4143, mTLS, carrying the caller's identity)",
-            backend.node().name(),
-            backend.node().ip()
+            "  3. west gateway  →  west node proxy {} on {} ({}:4143, mTLS, carrying the caller's identity)",
+            west_proxy.name, backend.node, west_proxy.ip
         ));
         say(format!(
-            "     evidence: {west_proxy} request_total{{direction=inbound, src=shop/client}} +{}",
-            d.west_inbound
+            "     evidence: {} request_total{{direction=inbound, src=shop/client}} +{}",
+            west_proxy.name, d.west_inbound
         ));
         say(format!(
             "  4. west node proxy  →  pod {NAMESPACE}/{pod_name} ({}:8080)",
-            backend.ip()
+            backend.ip
         ));
         say(format!(
             "     evidence: the answer names pod \"{pod_name}\""
@@ -211,7 +277,7 @@ impl Demo {
         );
         let mut broken = Vec::new();
         if d.east_outbound < 1.0 {
-            broken.push("east node proxy: no outbound request to the gateway counted");
+            broken.push("east node proxy: no outbound request from shop/client counted");
         }
         if d.gateway_quic_streams < 1.0 {
             broken.push("west gateway: no QUIC stream for shop/client → web counted");
@@ -234,13 +300,19 @@ impl Demo {
             broken.join("; ")
         );
         say("hops verified: east proxy → QUIC → west gateway → west proxy → pod");
-        for c in [east, west] {
-            let m = c.issuer().expect("started").metrics().await;
+        for c in [self.east(), self.west()] {
+            let issuer =
+                PodInfo::find(c, "strait-system", "app.kubernetes.io/name=strait-identity")
+                    .await?
+                    .into_iter()
+                    .next()
+                    .context("the issuer pod")?;
+            let m = issuer.metrics().await?;
+            let name = c.cluster().name();
             say(format!(
-                "{:<5} issuer has signed {} certificates so far (node proxies, their pods' identities, {})",
-                c.name(),
+                "{name:<5} issuer has signed {} certificates so far (node proxies, their pods' identities, {})",
                 metric_sum(&m, "identity_issuance_total", &[]),
-                if c.name() == "west" {
+                if name == "west" {
                     "the gateway"
                 } else {
                     "the mirror controller"
@@ -250,12 +322,24 @@ impl Demo {
         Ok(())
     }
 
+    /// The node proxy pod on east's node `node`.
+    async fn node_proxy_on(&self, node: &str) -> anyhow::Result<PodInfo> {
+        proxy_on(self.east(), node).await
+    }
+
+    /// The node proxy pod on west's node `node`.
+    async fn west_proxy_on(&self, node: &str) -> anyhow::Result<PodInfo> {
+        proxy_on(self.west(), node).await
+    }
+
     pub(super) async fn latency(&self, n: usize) -> anyhow::Result<()> {
-        let east = self.east();
-        let west = self.west();
-        let caller = east.pod(CALLER_SA).context("the caller pod")?;
-        let east_proxy = format!("strait-proxy-{}", caller.node().name());
-        let before = Snapshot::take(east, west, &east_proxy).await?;
+        let caller = PodInfo::find(self.east(), NAMESPACE, "")
+            .await?
+            .into_iter()
+            .find(|p| p.name == CALLER_SA)
+            .context("the caller pod")?;
+        let east_proxy = self.node_proxy_on(&caller.node).await?;
+        let before = Snapshot::take(self, &east_proxy).await?;
         // One curl, one keep-alive connection to the node proxy, n requests in a row.
         let mut args: Vec<String> = vec![
             "--max-time".into(),
@@ -272,7 +356,7 @@ impl Demo {
         }
         let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let started = Instant::now();
-        let out = self.curl(&arg_refs)?;
+        let out = self.curl(&arg_refs).await?;
         let wall = started.elapsed();
         let mut times = Vec::new();
         let mut failed = 0;
@@ -287,7 +371,7 @@ impl Demo {
                 failed += 1;
             }
         }
-        let after = Snapshot::take(east, west, &east_proxy).await?;
+        let after = Snapshot::take(self, &east_proxy).await?;
         ensure!(
             !times.is_empty(),
             "no request succeeded: {}",
@@ -410,7 +494,9 @@ impl WanEvidence {
             let out = Command::new("tcpdump")
                 .args(["-n", "-r"])
                 .arg(pcap)
-                .arg(format!("{proto} and host {gateway} and port 4143"))
+                .arg(format!(
+                    "{proto} and host {gateway} and port {GATEWAY_NODE_PORT}"
+                ))
                 .output()
                 .context("read the WAN capture with tcpdump")?;
             ensure!(
@@ -449,19 +535,20 @@ struct Delta {
 }
 
 impl Snapshot {
-    async fn take(
-        east: &MeshCluster,
-        west: &MeshCluster,
-        east_proxy: &str,
-    ) -> anyhow::Result<Self> {
-        let e = east.metrics(east_proxy).await?;
-        let g = west.metrics("strait-gateway-0").await?;
+    async fn take(demo: &Demo, east_proxy: &PodInfo) -> anyhow::Result<Self> {
+        let e = east_proxy.metrics().await?;
+        let g = demo.gateway_pod().await?.metrics().await?;
         let mut west_inbound = Vec::new();
-        for node in west.topology().nodes() {
-            let name = format!("strait-proxy-{}", node.name());
-            let m = west.metrics(&name).await?;
+        for proxy in PodInfo::find(
+            demo.west(),
+            "strait-system",
+            "app.kubernetes.io/name=strait-proxy",
+        )
+        .await?
+        {
+            let m = proxy.metrics().await?;
             west_inbound.push((
-                name,
+                proxy.name.clone(),
                 metric_sum(
                     &m,
                     "request_total",
@@ -479,8 +566,8 @@ impl Snapshot {
                 "request_total",
                 &[
                     "direction=\"outbound\"",
-                    "dst_namespace=\"strait-system\"",
-                    "dst_workload=\"strait-gateway\"",
+                    &format!("src_namespace=\"{NAMESPACE}\""),
+                    &format!("src_workload=\"{CALLER_SA}\""),
                 ],
             ),
             gateway_quic_streams: metric_sum(
@@ -503,11 +590,11 @@ impl Snapshot {
         })
     }
 
-    fn minus(&self, before: &Snapshot, west_proxy: &str) -> Delta {
+    fn minus(&self, before: &Snapshot, west_proxy: &PodInfo) -> Delta {
         let inbound = |s: &Snapshot| {
             s.west_inbound
                 .iter()
-                .find(|(n, _)| n == west_proxy)
+                .find(|(n, _)| *n == west_proxy.name)
                 .map(|(_, v)| *v)
                 .unwrap_or(0.0)
         };
@@ -525,4 +612,17 @@ impl Snapshot {
             .map(|((name, after), (_, b))| (name.clone(), after - b))
             .collect()
     }
+}
+
+/// The node proxy pod on `node`.
+async fn proxy_on(cluster: &ClusterTopology, node: &str) -> anyhow::Result<PodInfo> {
+    PodInfo::find(
+        cluster,
+        "strait-system",
+        "app.kubernetes.io/name=strait-proxy",
+    )
+    .await?
+    .into_iter()
+    .find(|p| p.node == node)
+    .with_context(|| format!("no node proxy pod on {node}"))
 }
