@@ -51,12 +51,16 @@ pub struct Inbound {
 }
 
 impl Inbound {
-    /// Serves connections until the drain starts.
+    /// Serves connections until the drain starts. Then HTTP tunnels finish
+    /// the request in flight and close (an idle pooled tunnel at once, so
+    /// other proxies' pools do not hold the drain: a node's proxy is replaced
+    /// sooner); opaque tunnels run until their ends close or the drain times out.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+        let draining = drain.clone();
         crate::serve_connections(listener, drain, "inbound", move |stream, peer| {
-            let this = self.clone();
+            let (this, drain) = (self.clone(), draining.clone());
             async move {
-                if let Err(e) = this.handle(stream, peer).await {
+                if let Err(e) = this.handle(stream, peer, drain).await {
                     tracing::debug!(%peer, "inbound connection: {e}");
                 }
             }
@@ -106,7 +110,12 @@ impl Inbound {
         Ok((tls, served))
     }
 
-    async fn handle(&self, stream: TcpStream, peer: SocketAddr) -> Result<(), String> {
+    async fn handle(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        drain: Drain,
+    ) -> Result<(), String> {
         let (mut tls, served) = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.accept(stream))
             .await
             .map_err(|_| "TLS handshake timed out".to_string())??;
@@ -222,6 +231,7 @@ impl Inbound {
                     header.protocol,
                     &caller,
                     self.metrics.http(&labels),
+                    &drain,
                 )
                 .await;
                 self.metrics.tcp_close(&labels, 0, 0);
@@ -258,6 +268,7 @@ async fn serve_http(
     protocol: Protocol,
     client: &SpiffeId,
     series: HttpSeries,
+    drain: &Drain,
 ) -> Result<(), String> {
     use hyper_util::rt::{TokioExecutor, TokioIo};
     let client_id = http::HeaderValue::from_str(&client.to_string())
@@ -317,14 +328,28 @@ async fn serve_http(
     let tunnel = async move {
         match protocol {
             Protocol::Http2 => {
-                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(io, service)
-                    .await
+                let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(io, service);
+                let mut connection = std::pin::pin!(connection);
+                tokio::select! {
+                    served = connection.as_mut() => served,
+                    _ = drain.signaled() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                }
             }
             _ => {
-                hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await
+                let connection =
+                    hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+                let mut connection = std::pin::pin!(connection);
+                tokio::select! {
+                    served = connection.as_mut() => served,
+                    _ = drain.signaled() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                }
             }
         }
     };

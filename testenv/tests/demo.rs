@@ -76,16 +76,21 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
             "{out}"
         );
     }
-    let ds = out
+    // What `kubectl get` showed (not what `kubectl apply` said it created).
+    let shown: Vec<&str> = out
         .lines()
+        .filter(|l| !l.trim_end().ends_with(" created"))
+        .collect();
+    let ds = shown
+        .iter()
         .find(|l| l.contains("daemonset.apps/strait-proxy"))
         .unwrap_or_else(|| panic!("no node-proxy DaemonSet shown:\n{out}"));
     let columns: Vec<&str> = ds.split_whitespace().collect();
     // NAME DESIRED CURRENT READY …: a Ready proxy on each of the 2 nodes.
     assert_eq!(&columns[1..4], ["2", "2", "2"], "{ds}");
     for deployment in ["strait-identity", "strait-gateway", "strait-mirror"] {
-        let line = out
-            .lines()
+        let line = shown
+            .iter()
             .find(|l| l.contains(&format!("deployment.apps/{deployment} ")))
             .unwrap_or_else(|| panic!("no {deployment} shown:\n{out}"));
         assert!(line.contains(" 1/1 "), "{deployment} Ready: {line}");
