@@ -11,105 +11,21 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use strait_testenv::installed::{InstalledMesh, apply, kubectl_until};
+use strait_testenv::installed::{
+    InstalledMesh, apply, client_manifests, get_from_client, kubectl_until, web_manifests,
+};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::stack::metric_sum;
-use strait_testenv::{http_get, images, kubectl, kubectl_output};
+use strait_testenv::{http_get, kubectl};
 
 const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
 const MIRROR_URL: &str = "http://web-west.shop.svc.cluster.local";
-
-fn app(image: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata: {{name: shop}}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {{name: web, namespace: shop}}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: web, namespace: shop}}
-spec:
-  replicas: 2
-  selector: {{matchLabels: {{app: web}}}}
-  template:
-    metadata: {{labels: {{app: web}}}}
-    spec:
-      serviceAccountName: web
-      containers:
-        - name: web
-          image: {image}
-          args: ["--http", "0.0.0.0:8080"]
-          env:
-            - name: POD_NAME
-              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
-          ports: [{{containerPort: 8080}}]
-          readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: shop}}
-spec:
-  selector: {{app: web}}
-  ports: [{{name: http, port: 80, targetPort: 8080}}]
-"#
-    )
-}
-
-fn client(image: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata: {{name: shop}}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {{name: client, namespace: shop}}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: client, namespace: shop}}
-spec:
-  replicas: 1
-  selector: {{matchLabels: {{app: client}}}}
-  template:
-    metadata: {{labels: {{app: client}}}}
-    spec:
-      serviceAccountName: client
-      containers:
-        - name: client
-          image: {image}
-          args: ["--http", "0.0.0.0:8080"]
-          env:
-            - name: POD_NAME
-              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
-            - name: http_proxy
-              value: http://strait-proxy.strait-system.svc.cluster.local:4140
-"#
-    )
-}
 
 /// One GET of `url` from east's client pod through its node proxy; the body,
 /// or the error, and how long it took.
 fn get(kubeconfig: &Path, url: &str) -> (Result<String, String>, Duration) {
     let started = Instant::now();
-    let out = kubectl_output(
-        kubeconfig,
-        &[
-            "exec",
-            "-n",
-            "shop",
-            "deploy/client",
-            "--",
-            "/usr/local/bin/strait-backend",
-            "--get",
-            url,
-        ],
-        None,
-    );
+    let out = get_from_client(kubeconfig, url, None);
     let took = started.elapsed();
     let body = String::from_utf8_lossy(&out.stdout).into_owned();
     if out.status.success() && body.contains("\"pod\":\"web-") {
@@ -187,8 +103,8 @@ async fn east_calls_west_through_installed_strait() {
     let east = mesh.east.cluster().kubeconfig_path();
     let west = mesh.west.cluster().kubeconfig_path();
 
-    apply(&west, &app(images::BACKEND_IMAGE)).unwrap();
-    apply(&east, &client(images::BACKEND_IMAGE)).unwrap();
+    apply(&west, &web_manifests(2)).unwrap();
+    apply(&east, &client_manifests()).unwrap();
     kubectl_until(
         &west,
         &[

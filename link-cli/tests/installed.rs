@@ -7,109 +7,23 @@
 //! kubectl delete -f -` removing all of it and nothing else.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use strait_testenv::installed::{
+    self, client_manifests, get_from_client, run_strait, wait_installed, web_manifests,
+};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::{ClusterConfig, ClusterTopology, images, kubectl, kubectl_output};
 
 fn strait(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_strait"))
-        .args(args)
-        .output()
-        .expect("run strait");
-    assert!(
-        out.status.success(),
-        "strait {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    run_strait(Path::new(env!("CARGO_BIN_EXE_strait")), args).unwrap()
 }
 
-/// Retries `kubectl args` until it succeeds or `limit` passes; returns stdout.
 fn kubectl_until(kubeconfig: &Path, args: &[&str], limit: Duration) -> String {
-    let deadline = Instant::now() + limit;
-    loop {
-        let out = kubectl_output(kubeconfig, args, None);
-        if out.status.success() {
-            return String::from_utf8_lossy(&out.stdout).into_owned();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kubectl {args:?} did not succeed within {limit:?}: {}{}\npods:\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-            String::from_utf8_lossy(
-                &kubectl_output(kubeconfig, &["get", "pods", "-A", "-o", "wide"], None).stdout
-            )
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    installed::kubectl_until(kubeconfig, args, limit).unwrap()
 }
 
 const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
-
-const APP: &str = r#"apiVersion: v1
-kind: Namespace
-metadata: {name: shop}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: web, namespace: shop}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: client, namespace: shop}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: web, namespace: shop}
-spec:
-  replicas: 2
-  selector: {matchLabels: {app: web}}
-  template:
-    metadata: {labels: {app: web}}
-    spec:
-      serviceAccountName: web
-      containers:
-        - name: web
-          image: IMAGE
-          args: ["--http", "0.0.0.0:8080"]
-          env:
-            - name: POD_NAME
-              valueFrom: {fieldRef: {fieldPath: metadata.name}}
-          ports: [{containerPort: 8080}]
-          readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
----
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: shop}
-spec:
-  selector: {app: web}
-  ports: [{port: 80, targetPort: 8080}]
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: client, namespace: shop}
-spec:
-  replicas: 1
-  selector: {matchLabels: {app: client}}
-  template:
-    metadata: {labels: {app: client}}
-    spec:
-      serviceAccountName: client
-      containers:
-        - name: client
-          image: IMAGE
-          args: ["--http", "0.0.0.0:8080"]
-          env:
-            - name: POD_NAME
-              valueFrom: {fieldRef: {fieldPath: metadata.name}}
-            - name: NODE_IP
-              valueFrom: {fieldRef: {fieldPath: status.hostIP}}
-            - name: http_proxy
-              value: http://strait-proxy.strait-system.svc.cluster.local:4140
-"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
@@ -166,25 +80,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
     kubectl(&kubeconfig, &["apply", "-f", "-"], Some(&manifests));
 
     // Every component as a real pod, Ready; one node proxy per node.
-    for (namespace, workload) in [
-        ("strait-system", "deploy/strait-identity"),
-        ("strait-system", "ds/strait-proxy"),
-        ("strait-system", "deploy/strait-gateway"),
-        ("strait-multicluster", "deploy/strait-mirror"),
-    ] {
-        kubectl_until(
-            &kubeconfig,
-            &[
-                "rollout",
-                "status",
-                "-n",
-                namespace,
-                workload,
-                "--timeout=10s",
-            ],
-            Duration::from_secs(120),
-        );
-    }
+    wait_installed(&kubeconfig).unwrap();
     eprintln!(
         "strait installed and Ready in {:.1}s",
         started.elapsed().as_secs_f64()
@@ -224,7 +120,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
     kubectl(
         &kubeconfig,
         &["apply", "-f", "-"],
-        Some(&APP.replace("IMAGE", images::BACKEND_IMAGE)),
+        Some(&format!("{}---\n{}", web_manifests(2), client_manifests())),
     );
     for workload in ["deploy/web", "deploy/client"] {
         kubectl_until(
@@ -273,21 +169,10 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         None,
     );
     let via_host_port = format!("http://{node_ip}:4140");
-    let out = kubectl_output(
+    let out = get_from_client(
         &kubeconfig,
-        &[
-            "exec",
-            "-n",
-            "shop",
-            "deploy/client",
-            "--",
-            "/usr/local/bin/strait-backend",
-            "--get",
-            "http://web.shop.svc.cluster.local/",
-            "--proxy",
-            &via_host_port,
-        ],
-        None,
+        "http://web.shop.svc.cluster.local/",
+        Some(&via_host_port),
     );
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -276,3 +276,104 @@ impl InstalledMesh {
         !self.api_endpoint.is_finished()
     }
 }
+
+/// The sample service of the installed tests: namespace `shop`, a
+/// ServiceAccount and Deployment `web` (`replicas` strait-backend pods on
+/// 8080, Ready when they answer) and Service `web` (port 80, named `http`).
+pub fn web_manifests(replicas: u32) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: shop}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: web, namespace: shop}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: web, namespace: shop}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata: {{labels: {{app: web}}}}
+    spec:
+      serviceAccountName: web
+      containers:
+        - name: web
+          image: {image}
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+          ports: [{{containerPort: 8080}}]
+          readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: shop}}
+spec:
+  selector: {{app: web}}
+  ports: [{{name: http, port: 80, targetPort: 8080}}]
+"#,
+        image = images::BACKEND_IMAGE
+    )
+}
+
+/// The caller of the installed tests: namespace `shop`, ServiceAccount and
+/// Deployment `client` (one strait-backend pod, to `kubectl exec` into) whose
+/// app reaches its node proxy as the README says: `http_proxy` = the
+/// strait-proxy Service.
+pub fn client_manifests() -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: shop}}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: client, namespace: shop}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: client, namespace: shop}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{app: client}}}}
+  template:
+    metadata: {{labels: {{app: client}}}}
+    spec:
+      serviceAccountName: client
+      containers:
+        - name: client
+          image: {image}
+          args: ["--http", "0.0.0.0:8080"]
+          env:
+            - name: POD_NAME
+              valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+            - name: http_proxy
+              value: http://strait-proxy.strait-system.svc.cluster.local:4140
+"#,
+        image = images::BACKEND_IMAGE
+    )
+}
+
+/// `strait-backend --get URL` run in the `client` pod (`kubectl exec`):
+/// through its node proxy by its `http_proxy`, or `via` another proxy.
+pub fn get_from_client(kubeconfig: &Path, url: &str, via: Option<&str>) -> std::process::Output {
+    let mut args = vec![
+        "exec",
+        "-n",
+        "shop",
+        "deploy/client",
+        "--",
+        "/usr/local/bin/strait-backend",
+        "--get",
+        url,
+    ];
+    if let Some(proxy) = via {
+        args.extend(["--proxy", proxy]);
+    }
+    kubectl_output(kubeconfig, &args, None)
+}

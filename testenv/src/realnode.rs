@@ -274,23 +274,12 @@ impl NodeCgroup {
 
     /// Every process in the cgroup or below it, in any hierarchy.
     fn pids(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        for h in &self.hierarchies {
-            let mut stack = vec![h.path.join(&self.name)];
-            while let Some(dir) = stack.pop() {
-                if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-                    pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-                }
-                if let Ok(entries) = std::fs::read_dir(&dir) {
-                    stack.extend(
-                        entries
-                            .filter_map(Result::ok)
-                            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                            .map(|e| e.path()),
-                    );
-                }
-            }
-        }
+        let mut pids: Vec<u32> = self
+            .hierarchies
+            .iter()
+            .flat_map(|h| cgroup_tree(&h.path.join(&self.name)))
+            .flat_map(|dir| cgroup_procs(&dir))
+            .collect();
         pids.sort_unstable();
         pids.dedup();
         pids
@@ -318,21 +307,7 @@ impl NodeCgroup {
     /// Removes the (empty) cgroup folders, deepest first.
     fn remove(&self) {
         for h in &self.hierarchies {
-            let root = h.path.join(&self.name);
-            let mut dirs = Vec::new();
-            let mut stack = vec![root];
-            while let Some(dir) = stack.pop() {
-                if let Ok(entries) = std::fs::read_dir(&dir) {
-                    stack.extend(
-                        entries
-                            .filter_map(Result::ok)
-                            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                            .map(|e| e.path()),
-                    );
-                }
-                dirs.push(dir);
-            }
-            for dir in dirs.iter().rev() {
+            for dir in cgroup_tree(&h.path.join(&self.name)).iter().rev() {
                 // A cgroup whose last task is still exiting is busy for a moment.
                 for _ in 0..50 {
                     match std::fs::remove_dir(dir) {
@@ -345,6 +320,31 @@ impl NodeCgroup {
             }
         }
     }
+}
+
+/// `root` and every folder below it, parents before their children.
+fn cgroup_tree(root: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            stack.extend(
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+        dirs.push(dir);
+    }
+    dirs
+}
+
+/// The processes directly in cgroup `dir`.
+fn cgroup_procs(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
 }
 
 /// Node cgroups on this host whose cluster network is gone: left behind by a
@@ -536,40 +536,14 @@ impl RealNode {
             .hierarchies
             .iter()
             .find(|h| h.controllers.iter().any(|c| c == "pids"))?;
-        let mut stack = vec![pids.path.join(&self.cgroup.name).join("kubepods")];
-        while let Some(dir) = stack.pop() {
-            let is_pod = dir
-                .file_name()
-                .is_some_and(|n| n.to_string_lossy() == wanted);
-            let entries = std::fs::read_dir(&dir).into_iter().flatten().flatten();
-            for entry in entries {
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    stack.push(entry.path());
-                }
-            }
-            if is_pod {
-                // The pod's own cgroup holds no tasks: its containers' do.
-                let mut inner = vec![dir];
-                while let Some(d) = inner.pop() {
-                    if let Some(pid) = std::fs::read_to_string(d.join("cgroup.procs"))
-                        .ok()
-                        .and_then(|t| t.lines().find_map(|l| l.trim().parse().ok()))
-                    {
-                        return Some(pid);
-                    }
-                    inner.extend(
-                        std::fs::read_dir(&d)
-                            .into_iter()
-                            .flatten()
-                            .flatten()
-                            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                            .map(|e| e.path()),
-                    );
-                }
-                return None;
-            }
-        }
-        None
+        let kubepods = pids.path.join(&self.cgroup.name).join("kubepods");
+        let pod = cgroup_tree(&kubepods)
+            .into_iter()
+            .find(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == wanted))?;
+        // The pod's own cgroup holds no tasks: its containers' do.
+        cgroup_tree(&pod)
+            .iter()
+            .find_map(|dir| cgroup_procs(dir).into_iter().next())
     }
 
     /// Kills the kubelet (as a node failure would): the node's pods keep
