@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job: the two-cluster demo. Two local Kubernetes clusters (east, west)
-# on real control planes, Strait's components running as processes on their
-# network-namespace nodes, linked with `strait link`; a pod in east calls a
-# service exported in west through the QUIC gateway, and the demo shows each
-# hop with its evidence. Exits when done (everything torn down); `--stay` keeps
-# it up for kubectl until Ctrl-C. Needs root (nodes are network namespaces).
+# on real control planes and real nodes (kubelet, containerd, kube-proxy in
+# network namespaces), Strait installed in each with `strait install` from
+# images built here, linked with `strait link`; a pod in east calls a service
+# exported in west through the QUIC gateway, and the demo shows each hop with
+# its evidence. Exits when done (everything torn down); `--stay` keeps it up
+# for kubectl until Ctrl-C. Needs root (nodes are network namespaces).
 # `strait-testenv up` still gives bare clusters without the mesh.
 source "$(dirname "$0")/lib.sh"
 cd "$STRAIT_ROOT" || exit 1

@@ -80,7 +80,8 @@ pub fn apply(kubeconfig: &Path, manifests: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits until every Strait workload of the cluster is rolled out and Ready.
+/// Waits until every Strait workload of the cluster is rolled out and Ready;
+/// a pod whose image no node has says which and how to build it.
 pub fn wait_installed(kubeconfig: &Path) -> anyhow::Result<()> {
     for (namespace, workload) in [
         ("strait-system", "deploy/strait-identity"),
@@ -88,20 +89,65 @@ pub fn wait_installed(kubeconfig: &Path) -> anyhow::Result<()> {
         ("strait-system", "deploy/strait-gateway"),
         ("strait-multicluster", "deploy/strait-mirror"),
     ] {
-        kubectl_until(
-            kubeconfig,
-            &[
-                "rollout",
-                "status",
-                "-n",
-                namespace,
-                workload,
-                "--timeout=10s",
-            ],
-            Duration::from_secs(180),
-        )?;
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let out = kubectl_output(
+                kubeconfig,
+                &[
+                    "rollout",
+                    "status",
+                    "-n",
+                    namespace,
+                    workload,
+                    "--timeout=10s",
+                ],
+                None,
+            );
+            if out.status.success() {
+                break;
+            }
+            if let Some(missing) = missing_images(kubeconfig) {
+                bail!(
+                    "{workload} cannot start: no node has the image {missing} (there is no registry to pull from): \
+                     build the images with `strait-testenv images --bin-dir target/release` and start the \
+                     clusters with them (`strait-testenv up --real-nodes --strait-images <bin-dir>`, or \
+                     `ClusterConfig::node_images`)"
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{workload} not rolled out within 180s: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
     }
     Ok(())
+}
+
+/// An image some pod waits for in vain (ErrImagePull, ImagePullBackOff, …).
+pub fn missing_images(kubeconfig: &Path) -> Option<String> {
+    let out = kubectl_output(
+        kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-A",
+            "-o",
+            "jsonpath={range .items[*].status.containerStatuses[*]}{.image} {.state.waiting.reason}{\"\\n\"}{end}",
+        ],
+        None,
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|line| {
+            let (image, reason) = line.split_once(' ')?;
+            matches!(
+                reason.trim(),
+                "ErrImagePull" | "ImagePullBackOff" | "ErrImageNeverPull" | "InvalidImageName"
+            )
+            .then(|| image.to_string())
+        })
 }
 
 /// The image archives real nodes of an installed mesh import: pause, the

@@ -163,6 +163,16 @@ pub fn preflight() -> Result<(), NodeError> {
             ));
         }
     }
+    // The node's writes go to overlays on these (mkdir of a missing one would
+    // write on the host).
+    for top in ["/etc", "/var", "/opt"] {
+        if !Path::new(top).is_dir() {
+            return Err(missing(
+                &format!("the folder {top}"),
+                &format!("create {top} (a standard folder; real nodes overlay it with their own)"),
+            ));
+        }
+    }
     let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
     if !filesystems.lines().any(|l| l.ends_with("\toverlay")) {
         return Err(missing(
@@ -653,9 +663,6 @@ impl RealNode {
             "mount -t tmpfs -o mode=0755 strait-node-run /run".into(),
         ];
         for top in ["etc", "var", "opt"] {
-            if !Path::new("/").join(top).is_dir() {
-                continue;
-            }
             let upper = dir.join("overlay").join(top).join("upper");
             let work = dir.join("overlay").join(top).join("work");
             std::fs::create_dir_all(&upper)

@@ -230,6 +230,56 @@ async fn real_nodes_run_pods_services_dns_logs_and_exec() {
     let logs = kubectl(&kubeconfig, &["logs", "-n", "shop", "deploy/web"], None);
     assert!(logs.contains("serving HTTP"), "kubectl logs: {logs}");
 
+    // An image no node has: the pod waits, and testenv says which image and
+    // how to build it (no registry to pull from).
+    kubectl(
+        &kubeconfig,
+        &[
+            "run",
+            "-n",
+            "shop",
+            "ghost",
+            "--image=ghcr.io/strait-dev/strait-ghost:0.1.0",
+        ],
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let missing = loop {
+        if let Some(image) = strait_testenv::installed::missing_images(&kubeconfig) {
+            break image;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the ghost pod never reported its image missing"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(missing, "ghcr.io/strait-dev/strait-ghost:0.1.0");
+
+    // A node whose kubelet dies: the control plane marks it NotReady (its
+    // lease expires), and tear-down still removes everything of it.
+    let mut topology = topology;
+    topology.real_node_mut(1).expect("node 2").kill_kubelet();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let node = nodes.get("rn-node-2").await.unwrap();
+        let ready = node
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
+            .map(|c| c.status)
+            .unwrap_or_default();
+        if ready != "True" {
+            eprintln!("rn-node-2 Ready={ready} after its kubelet died");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rn-node-2 still Ready 60s after its kubelet died"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
     drop(topology);
     let left = cgroups_left(CGROUP_PREFIX);
     for cgroup in &node_cgroups {
