@@ -481,7 +481,7 @@ impl Cluster {
     }
 
     async fn start_controller_manager(&mut self) -> Result<(), ClusterError> {
-        let args = vec![
+        let mut args = vec![
             format!(
                 "--kubeconfig={}",
                 self.root.join("controller-manager.kubeconfig").display()
@@ -520,7 +520,6 @@ impl Cluster {
             "--kube-api-burst=400".into(),
             "--v=1".into(),
         ];
-        let mut args = args;
         if self.config.real_nodes {
             // A node whose kubelet stops renewing its lease shows NotReady
             // after 20 s instead of 40 s (kubelets renew every 10 s).
