@@ -3,7 +3,7 @@
 //! link`, west's `shop/web` exported with `strait export`. From an east pod:
 //! a call to the mirror `web-west` crosses east's node proxy, QUIC to west's
 //! gateway (a NodePort across the WAN), west's node proxy, and reaches a west
-//! pod with the caller's identity; UDP blocked → TCP fallback → back to QUIC;
+//! pod with the caller's identity; CONNECT reaches its TCP echo the same way; UDP blocked → TCP fallback → back to QUIC;
 //! the WAN cut fails requests in bounded time and restoring it heals them;
 //! the gateway pod deleted is replaced by its Deployment and calls resume.
 
@@ -162,6 +162,61 @@ async fn east_calls_west_through_installed_strait() {
     assert!(
         body.contains(CALLER),
         "the west pod saw the caller's identity: {body}"
+    );
+
+    // Opaque TCP: CONNECT through the node proxy to the mirror's echo port,
+    // from the client pod's own network namespace (bash's /dev/tcp; the
+    // image has no shell, the pod's address is what counts).
+    let client_pod = kubectl(
+        &east,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "shop",
+            "-l",
+            "app=client",
+            "-o",
+            "jsonpath={.items[0].metadata.name}",
+        ],
+        None,
+    );
+    let pid = mesh
+        .east
+        .pod_process("shop", client_pod.trim())
+        .await
+        .unwrap();
+    let proxy = kubectl(
+        &east,
+        &[
+            "get",
+            "svc",
+            "-n",
+            "strait-system",
+            "strait-proxy",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ],
+        None,
+    );
+    let script = format!(
+        "exec 3<>/dev/tcp/{proxy}/4140; printf 'CONNECT web-west.shop.svc.cluster.local:9000 HTTP/1.1\\r\\nHost: web-west.shop.svc.cluster.local:9000\\r\\n\\r\\nWHOAMI\\n' >&3; timeout 3 cat <&3"
+    );
+    let streams_before = metric_sum(&gateway_metrics(&west).await, "gateway_streams_total", &[]);
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(["--", "bash", "-c", &script])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(" 200") && said.contains("web-"),
+        "CONNECT to west's echo through the gateway, answered by a west pod: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        metric_sum(&gateway_metrics(&west).await, "gateway_streams_total", &[]) > streams_before,
+        "the CONNECT tunnel crossed the gateway"
     );
 
     // 2. UDP blocked: the proxies fall back to TCP + TLS; unblocked: back to QUIC.

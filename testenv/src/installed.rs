@@ -324,8 +324,9 @@ impl InstalledMesh {
 }
 
 /// The sample service of the installed tests: namespace `shop`, a
-/// ServiceAccount and Deployment `web` (`replicas` strait-backend pods on
-/// 8080, Ready when they answer) and Service `web` (port 80, named `http`).
+/// ServiceAccount and Deployment `web` (`replicas` strait-backend pods: HTTP
+/// on 8080, Ready when they answer, and a TCP echo on 9000) and Service `web`
+/// (port 80 `http`, port 9000 `echo`).
 pub fn web_manifests(replicas: u32) -> String {
     format!(
         r#"apiVersion: v1
@@ -349,11 +350,11 @@ spec:
       containers:
         - name: web
           image: {image}
-          args: ["--http", "0.0.0.0:8080"]
+          args: ["--http", "0.0.0.0:8080", "--echo", "0.0.0.0:9000"]
           env:
             - name: POD_NAME
               valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
-          ports: [{{containerPort: 8080}}]
+          ports: [{{containerPort: 8080}}, {{containerPort: 9000}}]
           readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
 ---
 apiVersion: v1
@@ -361,7 +362,7 @@ kind: Service
 metadata: {{name: web, namespace: shop}}
 spec:
   selector: {{app: web}}
-  ports: [{{name: http, port: 80, targetPort: 8080}}]
+  ports: [{{name: http, port: 80, targetPort: 8080}}, {{name: echo, port: 9000, targetPort: 9000}}]
 "#,
         image = images::BACKEND_IMAGE
     )
