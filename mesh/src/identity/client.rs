@@ -525,3 +525,69 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(status: u16) -> IssueError {
+        IssueError::Refused {
+            status,
+            reason: "r".into(),
+            message: "m".into(),
+        }
+    }
+
+    #[test]
+    fn only_failures_that_can_pass_later_are_transient() {
+        let io = || std::io::Error::other("x");
+        for transient in [
+            IssueError::Connect {
+                addr: "a".into(),
+                source: io(),
+            },
+            IssueError::Tls {
+                addr: "a".into(),
+                source: io(),
+            },
+            IssueError::Http("reset".into()),
+            IssueError::Timeout(Duration::from_secs(1)),
+            refused(503),
+            refused(429),
+        ] {
+            assert!(transient.is_transient(), "{transient}");
+        }
+        for last in [
+            refused(403),
+            refused(400),
+            IssueError::Token {
+                path: "/t".into(),
+                source: io(),
+            },
+            IssueError::BadResponse("?".into()),
+        ] {
+            assert!(!last.is_transient(), "{last}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_transient_retries_until_success_and_stops_at_a_refusal() {
+        let attempts = std::sync::atomic::AtomicU32::new(0);
+        let got = retry_transient(|| async {
+            match attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+                0 | 1 => Err(IssueError::Http("not yet".into())),
+                n => Ok(n),
+            }
+        })
+        .await;
+        assert_eq!(got.unwrap(), 2, "two transient failures, then success");
+        let attempts = std::sync::atomic::AtomicU32::new(0);
+        let got: Result<(), _> = retry_transient(|| async {
+            attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err(refused(403))
+        })
+        .await;
+        assert!(got.is_err());
+        assert_eq!(attempts.into_inner(), 1, "a refusal is not retried");
+    }
+}
