@@ -23,6 +23,25 @@ fn kubectl_until(kubeconfig: &Path, args: &[&str], limit: Duration) -> String {
     installed::kubectl_until(kubeconfig, args, limit).unwrap()
 }
 
+/// GETs `url` from the client pod through its node proxy until it answers
+/// (30 s); the body.
+fn get_until(kubeconfig: &Path, url: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = get_from_client(kubeconfig, url, None);
+        if out.status.success() {
+            return String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "GET {url} from the client pod: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,20 +148,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
             Duration::from_secs(90),
         );
     }
-    let body = kubectl_until(
-        &kubeconfig,
-        &[
-            "exec",
-            "-n",
-            "shop",
-            "deploy/client",
-            "--",
-            "/usr/local/bin/strait-backend",
-            "--get",
-            "http://web.shop.svc.cluster.local/",
-        ],
-        Duration::from_secs(30),
-    );
+    let body = get_until(&kubeconfig, "http://web.shop.svc.cluster.local/");
     assert!(
         body.contains("\"pod\":\"web-"),
         "answered by a web pod: {body}"
@@ -350,20 +356,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         2,
         "both nodes run the new proxy: {images_now}"
     );
-    let after = kubectl_until(
-        &kubeconfig,
-        &[
-            "exec",
-            "-n",
-            "shop",
-            "deploy/client",
-            "--",
-            "/usr/local/bin/strait-backend",
-            "--get",
-            "http://web.shop.svc.cluster.local/after",
-        ],
-        Duration::from_secs(30),
-    );
+    let after = get_until(&kubeconfig, "http://web.shop.svc.cluster.local/after");
     assert!(after.contains(CALLER), "through the new proxies: {after}");
 
     // Uninstall: everything install made goes, the app stays.
