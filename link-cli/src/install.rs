@@ -79,6 +79,9 @@ const MANIFESTS: &[(&str, &str)] = &[
     ),
 ];
 
+/// `--transparent`: merged into the node-proxy DaemonSet.
+const TRANSPARENT_PATCH: &str = include_str!("../../deploy/proxy/transparent/daemonset-patch.yaml");
+
 pub const ISSUER_SECRET: &str = "strait-identity-issuer";
 const ISSUER_CN_PREFIX: &str = "strait issuer ";
 
@@ -140,6 +143,12 @@ pub struct InstallArgs {
     /// Image pull policy (Kubernetes' default: Always for :latest, else IfNotPresent).
     #[arg(long, value_enum)]
     pub image_pull_policy: Option<PullPolicy>,
+    /// Transparent mode: the node proxy (root, NET_ADMIN + SYS_ADMIN) chains
+    /// strait-cni into each node's CNI configuration and captures the pods
+    /// annotated `strait.dev/transparent: enabled`
+    /// (deploy/proxy/transparent/daemonset-patch.yaml).
+    #[arg(long)]
+    pub transparent: bool,
     #[arg(short, long, value_enum, default_value = "yaml")]
     pub output: Format,
 }
@@ -332,8 +341,48 @@ fn set_arg(container: &mut Value, flag: &str, value: &str) {
     }
 }
 
+/// A strategic merge as `kubectl patch` does it for what the transparent
+/// patch holds: objects merge by key, lists of named objects (containers,
+/// env, volumes, volumeMounts) merge by `name`, other lists are replaced.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (key, value) in p {
+                match t.get_mut(key) {
+                    Some(existing) => merge(existing, value),
+                    None => {
+                        t.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        (Value::Array(t), Value::Array(p))
+            if p.iter()
+                .all(|v| v.get("name").is_some_and(Value::is_string)) =>
+        {
+            for item in p {
+                match t.iter_mut().find(|e| e.get("name") == item.get("name")) {
+                    Some(existing) => merge(existing, item),
+                    None => t.push(item.clone()),
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
 fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>> {
     let mut objects = manifest_objects()?;
+    if args.transparent {
+        use serde::Deserialize as _;
+        let patch = Value::deserialize(serde_yaml::Deserializer::from_str(TRANSPARENT_PATCH))
+            .context("deploy/proxy/transparent/daemonset-patch.yaml is not valid YAML")?;
+        let ds = objects
+            .iter_mut()
+            .find(|o| key(o) == key(&patch))
+            .context("the transparent patch names no DaemonSet of deploy/")?;
+        merge(&mut ds["spec"], &patch["spec"]);
+    }
     let labels = json!({"app.kubernetes.io/part-of": "strait", CLUSTER_NAME_LABEL: id.cluster});
     for o in objects.iter_mut() {
         let kind = o["kind"].as_str().unwrap_or("").to_string();

@@ -3,7 +3,9 @@
 //! link`, west's `shop/web` exported with `strait export`. From an east pod:
 //! a call to the mirror `web-west` crosses east's node proxy, QUIC to west's
 //! gateway (a NodePort across the WAN), west's node proxy, and reaches a west
-//! pod with the caller's identity; CONNECT reaches its TCP echo the same way; UDP blocked → TCP fallback → back to QUIC;
+//! pod with the caller's identity; CONNECT reaches its TCP echo the same way;
+//! h2c from a transparent-mode pod arrives as HTTP/2; UDP blocked → TCP
+//! fallback → back to QUIC;
 //! the WAN cut fails requests in bounded time and restoring it heals them;
 //! the gateway pod deleted is replaced by its Deployment and calls resume.
 
@@ -12,7 +14,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
-    InstalledMesh, apply, client_manifests, get_from_client, kubectl_until, web_manifests,
+    InstalledMesh, app_manifests, apply, client_manifests, get_from_app, get_from_client,
+    kubectl_until, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::stack::metric_sum;
@@ -218,6 +221,44 @@ async fn east_calls_west_through_installed_strait() {
         metric_sum(&gateway_metrics(&west).await, "gateway_streams_total", &[]) > streams_before,
         "the CONNECT tunnel crossed the gateway"
     );
+
+    // h2c (HTTP/2 with prior knowledge, as gRPC speaks it) from a
+    // transparent-mode pod (no proxy settings; Strait installed with
+    // --transparent): detected as HTTP/2 by its node proxy, carried over the
+    // gateway as HTTP/2, answered by a west pod that sees the caller.
+    apply(&east, &app_manifests()).unwrap();
+    kubectl_until(
+        &east,
+        &[
+            "wait",
+            "-n",
+            "shop",
+            "pod/app",
+            "--for=condition=Ready",
+            "--timeout=10s",
+        ],
+        Duration::from_secs(90),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let h2 = loop {
+        let out = get_from_app(&east, &format!("{MIRROR_URL}/h2"), true);
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        match serde_json::from_str::<serde_json::Value>(body.trim()) {
+            Ok(v) if out.status.success() => break v,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(500)),
+            other => panic!(
+                "h2c from the transparent pod to the mirror: {other:?} {body}{}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    };
+    assert_eq!(h2["version"], "HTTP/2.0", "HTTP/2 end to end: {h2}");
+    assert!(
+        h2["pod"].as_str().is_some_and(|p| p.starts_with("web-")),
+        "{h2}"
+    );
+    assert_eq!(h2["headers"]["strait-client-id"], CALLER, "{h2}");
 
     // 2. UDP blocked: the proxies fall back to TCP + TLS; unblocked: back to QUIC.
     mesh.wan.block_udp().unwrap();

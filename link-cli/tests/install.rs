@@ -301,6 +301,7 @@ async fn every_manifest_under_deploy_and_the_install_output_pass_server_side_dry
 
     // A patch needs its target: apply that for real, then dry-run the patch
     // (strategic merge, as `kubectl patch --patch-file`) and admit its pods.
+    let mut patched_objects = Vec::new();
     for (file, patch) in &patches {
         let Some((_, target)) = objects.iter().find(|(_, o)| key(o) == key(patch)) else {
             failures.push(format!(
@@ -323,6 +324,7 @@ async fn every_manifest_under_deploy_and_the_install_output_pass_server_side_dry
             Err(e) => failures.push(format!("{file}: patch of {}: {e}", describe(patch))),
             Ok(patched) => {
                 let patched = serde_json::to_value(patched).unwrap();
+                patched_objects.push(patched.clone());
                 if let Err(e) = dry_run_pod_of(&client, &patched).await {
                     failures.push(format!(
                         "{file}: a pod of the patched {}: {e}",
@@ -367,6 +369,64 @@ async fn every_manifest_under_deploy_and_the_install_output_pass_server_side_dry
         failures.extend(apply_prerequisites(&client, &rendered).await);
         failures.extend(dry_run_all(&client, &rendered).await);
     }
+
+    // `--transparent` renders the DaemonSet as the API server merges the
+    // transparent patch into it (what a user gets with `kubectl patch`).
+    let out = ok_stdout(
+        strait(&[
+            "install",
+            "--identity-dir",
+            identity.to_str().unwrap(),
+            "--transparent",
+        ]),
+        "strait install --transparent",
+    );
+    let rendered: Vec<(String, Value)> = docs(&out, "install --transparent output")
+        .into_iter()
+        .map(|o| ("strait install --transparent".to_string(), o))
+        .collect();
+    failures.extend(apply_prerequisites(&client, &rendered).await);
+    failures.extend(dry_run_all(&client, &rendered).await);
+    let ds = rendered
+        .iter()
+        .map(|(_, o)| o)
+        .find(|o| o["kind"] == "DaemonSet")
+        .expect("a DaemonSet");
+    let merged = serde_json::to_value(apply(&client, ds, true).await.unwrap()).unwrap();
+    let by_api = patched_objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .expect("the transparent patch was applied above");
+    // Strategic merge puts a patch's new list items first, ours last: the
+    // same items in another order are the same pod.
+    fn by_name(v: &Value) -> Value {
+        match v {
+            Value::Array(items) => {
+                let mut items: Vec<Value> = items.iter().map(by_name).collect();
+                items.sort_by_key(|i| i["name"].as_str().unwrap_or("").to_string());
+                Value::Array(items)
+            }
+            Value::Object(map) => map.iter().map(|(k, v)| (k.clone(), by_name(v))).collect(),
+            other => other.clone(),
+        }
+    }
+    let pod = |o: &Value| by_name(&o["spec"]["template"]["spec"]);
+    let (ours, theirs) = (pod(&merged), pod(by_api));
+    for field in ["volumes", "hostNetwork", "securityContext"] {
+        assert_eq!(ours[field], theirs[field], "--transparent: pod {field}");
+    }
+    for field in ["env", "volumeMounts", "securityContext", "ports"] {
+        assert_eq!(
+            ours["containers"][0][field], theirs["containers"][0][field],
+            "--transparent: container {field}"
+        );
+    }
+    assert!(
+        ours["containers"][0]["env"]
+            .to_string()
+            .contains("STRAIT_CNI_CONF_DIR"),
+        "{ours}"
+    );
 
     assert!(
         failures.is_empty(),

@@ -3,14 +3,19 @@
 //! imported into each node, `strait install | kubectl apply -f -`, every
 //! component Ready as a real pod (the node-proxy DaemonSet on every node), a
 //! meshed request through the hostPort of the caller's node proxy carrying
-//! the caller's identity to the destination pod, then `strait uninstall |
-//! kubectl delete -f -` removing all of it and nothing else.
+//! the caller's identity to the destination pod; transparent mode
+//! (`--transparent`): the proxy chains `strait-cni` into each node's CNI
+//! configuration, a pod that opted in is captured through the real CNI chain
+//! and enrolled again by the new proxy after a DaemonSet rollout (never
+//! recreated); then `strait uninstall | kubectl delete -f -` removing all of
+//! it (CNI entry, plugin, the captured pod's rules included) and nothing else.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
-    self, client_manifests, get_from_client, run_strait, wait_installed, web_manifests,
+    self, app_manifests, client_manifests, get_from_app, get_from_client, run_strait,
+    wait_installed, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::{ClusterConfig, ClusterTopology, images, kubectl, kubectl_output};
@@ -43,6 +48,60 @@ fn get_until(kubeconfig: &Path, url: &str) -> String {
 }
 
 const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+
+/// GETs `url` from the transparent-mode `app` pod until `done` holds for the
+/// body (30 s); the body.
+fn app_get_until(kubeconfig: &Path, url: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = get_from_app(kubeconfig, url, false);
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && done(&body) {
+            return body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "GET {url} from the app pod: {body}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Each node's CNI configuration and whether the plugin is in its bin folder.
+fn cni_on_nodes(topology: &ClusterTopology) -> Vec<(String, bool)> {
+    topology
+        .real_nodes()
+        .iter()
+        .map(|node| {
+            let conf = node
+                .read_file(Path::new("/etc/cni/net.d/10-testenv.conflist"))
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            let plugin = node
+                .read_file(Path::new("/opt/cni/bin/strait-cni"))
+                .is_some();
+            (conf, plugin)
+        })
+        .collect()
+}
+
+/// The `app` pod's UID and restart count.
+fn app_identity(kubeconfig: &Path) -> String {
+    kubectl(
+        kubeconfig,
+        &[
+            "get",
+            "pod",
+            "-n",
+            "shop",
+            "app",
+            "-o",
+            "jsonpath={.metadata.uid}/{.status.containerStatuses[0].restartCount}",
+        ],
+        None,
+    )
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
@@ -90,6 +149,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         &dir("east"),
         "--gateway-service-type",
         "NodePort",
+        "--transparent",
     ]);
     assert!(
         !manifests.contains(":latest"),
@@ -148,6 +208,39 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
             Duration::from_secs(90),
         );
     }
+    // Transparent mode through the node's real CNI chain: each node proxy
+    // chained strait-cni into the node's configuration; a pod that opted in
+    // (annotation) is enrolled by the plugin when containerd sets up its
+    // network, and its plain GET by name (cluster DNS answered by the
+    // proxy, the ClusterIP redirected to it) carries its identity.
+    for (conf, plugin) in cni_on_nodes(&topology) {
+        assert!(
+            conf.contains("\"strait-cni\"") && plugin,
+            "strait-cni chained on every node: {conf}"
+        );
+    }
+    kubectl(&kubeconfig, &["apply", "-f", "-"], Some(&app_manifests()));
+    kubectl_until(
+        &kubeconfig,
+        &[
+            "wait",
+            "-n",
+            "shop",
+            "pod/app",
+            "--for=condition=Ready",
+            "--timeout=10s",
+        ],
+        Duration::from_secs(90),
+    );
+    let captured = app_get_until(&kubeconfig, "http://web.shop.svc.cluster.local/", |b| {
+        b.contains("\"pod\":\"web-")
+    });
+    assert!(
+        captured.contains(CALLER),
+        "a transparent pod's call carries its identity: {captured}"
+    );
+    let app_before = app_identity(&kubeconfig);
+
     let body = get_until(&kubeconfig, "http://web.shop.svc.cluster.local/");
     assert!(
         body.contains("\"pod\":\"web-"),
@@ -358,6 +451,22 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
     );
     let after = get_until(&kubeconfig, "http://web.shop.svc.cluster.local/after");
     assert!(after.contains(CALLER), "through the new proxies: {after}");
+    // The transparent pod, running since before the rollout, enrolled again
+    // by its node's new proxy (from the captures the old one remembered).
+    let after = app_get_until(
+        &kubeconfig,
+        "http://web.shop.svc.cluster.local/after",
+        |b| b.contains("\"pod\":\"web-"),
+    );
+    assert!(
+        after.contains(CALLER),
+        "the transparent pod is captured by the new proxy: {after}"
+    );
+    assert_eq!(
+        app_identity(&kubeconfig),
+        app_before,
+        "the same pod (UID/restarts), not recreated"
+    );
 
     // Uninstall: everything install made goes, the app stays.
     let removal = strait(&[
@@ -387,5 +496,39 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
     assert!(
         !leftovers.contains("strait"),
         "cluster-wide objects of Strait left: {leftovers}"
+    );
+    // On the nodes: the stopping proxies saw their DaemonSet gone and took
+    // strait-cni out of the CNI configuration, and gave the captured pod its
+    // own network back: its call now goes straight to web (no identity).
+    for (conf, plugin) in cni_on_nodes(&topology) {
+        assert!(
+            !conf.contains("strait-cni") && conf.contains("\"ptp\"") && !plugin,
+            "strait-cni taken out of every node's CNI configuration: {conf}"
+        );
+    }
+    let direct = app_get_until(&kubeconfig, "http://web.shop.svc.cluster.local/", |b| {
+        b.contains("\"pod\":\"web-")
+    });
+    assert!(
+        !direct.contains("strait-client-id"),
+        "the app's own network again, no mesh: {direct}"
+    );
+    // New pods start on the nodes (no plugin waiting for a proxy).
+    kubectl(
+        &kubeconfig,
+        &["scale", "-n", "shop", "deploy/web", "--replicas=4"],
+        None,
+    );
+    kubectl_until(
+        &kubeconfig,
+        &[
+            "rollout",
+            "status",
+            "-n",
+            "shop",
+            "deploy/web",
+            "--timeout=10s",
+        ],
+        Duration::from_secs(90),
     );
 }

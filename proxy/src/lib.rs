@@ -3,7 +3,8 @@
 //!
 //! - [`outbound`]: port 4140, the HTTP proxy the node's pods call.
 //! - [`transparent`]: pods whose traffic is redirected to the proxy inside
-//!   their own network namespace (ztunnel's in-pod mode), with [`dns`].
+//!   their own network namespace (ztunnel's in-pod mode), with [`dns`];
+//!   [`cni`]: chaining the enrolling plugin into the node's CNI configuration.
 //! - [`inbound`]: port 4143, mutual TLS from other node proxies; delivers only
 //!   to pods on this node.
 //! - [`identity`]: the pods' identities this proxy holds, and how the server
@@ -13,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod balance;
+pub mod cni;
 pub mod dns;
 pub mod hop;
 pub mod identity;

@@ -54,6 +54,29 @@ struct Args {
     /// network namespace). Root-only (0600). Off when not given.
     #[arg(long, env = "STRAIT_ENROLL_SOCKET")]
     enroll_socket: Option<std::path::PathBuf>,
+    /// Transparent mode: where captured pods are remembered, so that the
+    /// next proxy on the node enrolls them again (default: `pods/` beside
+    /// the enrollment socket).
+    #[arg(long, env = "STRAIT_ENROLL_STATE_DIR")]
+    enroll_state_dir: Option<std::path::PathBuf>,
+    /// Transparent mode: the node's CNI configuration folder (mounted from
+    /// the host); when given, the proxy chains `strait-cni` into the node's
+    /// primary network configuration and keeps it there.
+    #[arg(long, env = "STRAIT_CNI_CONF_DIR", requires = "cni_bin_dir")]
+    cni_conf_dir: Option<std::path::PathBuf>,
+    /// The node's CNI plugin folder (mounted from the host), where
+    /// `strait-cni` is copied.
+    #[arg(long, env = "STRAIT_CNI_BIN_DIR", requires = "cni_conf_dir")]
+    cni_bin_dir: Option<std::path::PathBuf>,
+    /// The plugin binary to copy (default: `strait-cni` beside this binary).
+    #[arg(long, env = "STRAIT_CNI_PLUGIN")]
+    cni_plugin: Option<std::path::PathBuf>,
+    /// The namespace of this proxy's DaemonSet (downward API): when the
+    /// proxy stops while its DaemonSet or Namespace is gone or being
+    /// deleted, Strait is being uninstalled and transparent mode is undone
+    /// on the node (CNI entry, plugin, every captured pod's rules).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "strait-system")]
+    pod_namespace: String,
     /// Where the DNS responder of transparent mode forwards names that are
     /// not Services of this cluster (default: the first non-loopback
     /// nameserver of /etc/resolv.conf; none: such names are refused).
@@ -144,7 +167,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     config.cluster_domain = args.cluster_domain.clone();
     config.trust_domain = args.trust_domain.clone();
     config.inbound_port = args.inbound_addr.port();
-    let (discovery, watches) = Discovery::start(client, config);
+    let (discovery, watches) = Discovery::start(client.clone(), config);
     tokio::spawn(watches);
     discovery.synced().await?;
     tracing::info!("discovery synced");
@@ -166,6 +189,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         Some(gateways),
     );
     forget_gone(outbound.clone(), discovery.updates());
+    let mut transparent_mode = None;
     if let Some(path) = &args.enroll_socket {
         let upstream = args.dns_upstream.or_else(|| {
             std::fs::read_to_string("/etc/resolv.conf")
@@ -178,9 +202,36 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         });
         let listener = Transparent::bind(path)
             .with_context(|| format!("binding the enrollment socket {}", path.display()))?;
-        let transparent = Transparent::new(outbound.clone(), dns, drain.clone());
-        tokio::spawn(transparent.serve(listener));
-        tracing::info!(socket = %path.display(), ?upstream, "transparent mode: pods may enroll");
+        let state = args.enroll_state_dir.clone().unwrap_or_else(|| {
+            path.parent()
+                .unwrap_or(std::path::Path::new("/"))
+                .join("pods")
+        });
+        let transparent = Transparent::new(outbound.clone(), dns, drain.clone(), Some(state));
+        tokio::spawn(transparent.clone().serve(listener));
+        // The pods an earlier proxy captured, before this one says ready.
+        let restored = transparent.restore().await;
+        tracing::info!(socket = %path.display(), ?upstream, restored, "transparent mode: pods may enroll");
+        let chain = match (&args.cni_conf_dir, &args.cni_bin_dir) {
+            (Some(conf_dir), Some(bin_dir)) => {
+                let plugin = match &args.cni_plugin {
+                    Some(p) => p.clone(),
+                    None => std::env::current_exe()
+                        .context("finding this binary (set --cni-plugin)")?
+                        .with_file_name(strait_proxy::cni::PLUGIN),
+                };
+                let chain = strait_proxy::cni::CniChain {
+                    conf_dir: conf_dir.clone(),
+                    bin_dir: bin_dir.clone(),
+                    plugin,
+                    enroll_socket: path.clone(),
+                };
+                tokio::spawn(chain.clone().keep_installed(drain.clone()));
+                Some(chain)
+            }
+            _ => None,
+        };
+        transparent_mode = Some((transparent, chain));
     }
     let inbound = Arc::new(Inbound {
         node: args.node_name.clone(),
@@ -253,6 +304,29 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     }
     readiness.set_ready(false);
     let _ = start_drain.send(true);
+    if let Some((transparent, chain)) = transparent_mode
+        && being_uninstalled(&client, &args.pod_namespace).await
+    {
+        // New pods first (they must not wait for a proxy that will not
+        // come), then the pods this proxy captured get their network back.
+        if let Some(chain) = chain {
+            match tokio::task::spawn_blocking(move || chain.uninstall()).await {
+                Ok(Ok(files)) => tracing::info!(
+                    ?files,
+                    "strait-cni taken out of the node's CNI configuration"
+                ),
+                Ok(Err(e)) => {
+                    tracing::warn!("taking strait-cni out of the node's CNI configuration: {e}")
+                }
+                Err(e) => tracing::warn!("{e}"),
+            }
+        }
+        let released = transparent.release_all().await;
+        tracing::info!(
+            released,
+            "Strait is being uninstalled: transparent mode undone on this node"
+        );
+    }
     tracing::info!(open = drain.active(), "draining");
     let left = drain.wait_idle(args.drain_timeout).await;
     if left > 0 {
@@ -263,6 +337,54 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Whether this proxy stops because Strait is being uninstalled (its
+/// DaemonSet or Namespace gone or being deleted; its ServiceAccount or
+/// RBAC gone, so the API refuses it), rather than replaced by a rollout.
+/// When the API cannot be asked, the answer is no: transparent pods stay
+/// closed rather than leave the mesh.
+async fn being_uninstalled(client: &kube::Client, namespace: &str) -> bool {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use k8s_openapi::api::core::v1::Namespace;
+    let asked = async {
+        let daemonsets: kube::Api<DaemonSet> = kube::Api::namespaced(client.clone(), namespace);
+        let namespaces: kube::Api<Namespace> = kube::Api::all(client.clone());
+        let ds = daemonsets.get_opt(DAEMONSET).await?;
+        let ns = namespaces
+            .list(&kube::api::ListParams::default().fields(&format!("metadata.name={namespace}")))
+            .await?;
+        let deleting = |m: &kube::api::ObjectMeta| m.deletion_timestamp.is_some();
+        Ok::<_, kube::Error>(
+            ds.is_none_or(|ds| deleting(&ds.metadata))
+                || ns.items.first().is_none_or(|ns| deleting(&ns.metadata)),
+        )
+    };
+    match tokio::time::timeout(Duration::from_secs(5), asked).await {
+        Ok(Ok(gone)) => gone,
+        Ok(Err(kube::Error::Api(e))) if e.code == 401 || e.code == 403 => {
+            tracing::info!(
+                "the API refuses this proxy ({}): Strait's RBAC is gone",
+                e.code
+            );
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(
+                "cannot tell whether Strait is being uninstalled ({e}); keeping transparent mode"
+            );
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                "cannot tell whether Strait is being uninstalled (no answer in 5 s); keeping transparent mode"
+            );
+            false
+        }
+    }
+}
+
+/// The node proxy's DaemonSet (deploy/proxy/daemonset.yaml).
+const DAEMONSET: &str = "strait-proxy";
 
 /// Forgets the latency statistics and HTTP/2 connections of endpoints that
 /// are gone (bounded memory), on the calling thread's runtime.

@@ -32,9 +32,17 @@
 //! [`EnrollRequest`], answered by one [`EnrollResponse`] line. `add` names the
 //! pod and the path of its network namespace (`/var/run/netns/…` or
 //! `/proc/<pid>/ns/net`); `remove` undoes everything. `add` of an enrolled
-//! pod replaces its enrollment. The proxy forgets enrollments when it exits
-//! and the rules stay, so a pod's traffic fails closed (connection refused)
-//! until its plugin enrolls it again, as ztunnel's does.
+//! pod replaces its enrollment.
+//!
+//! **Restarts.** Each capture is also written to the state folder (one
+//! `<namespace>_<name>.json` per pod, the `add` request itself; on the node's
+//! tmpfs next to the socket, so a reboot forgets it with the namespaces).
+//! When the proxy stops, the rules stay, so a pod's traffic fails closed
+//! (connection refused) rather than leave the mesh; the next proxy on the
+//! node ([`Transparent::restore`], before it reports ready) enrolls again
+//! every pod of that folder that still runs here, without the pod being
+//! recreated. Only an uninstall ([`Transparent::release_all`]) takes the
+//! rules out.
 
 use std::collections::HashMap;
 use std::io;
@@ -234,17 +242,25 @@ pub struct Transparent {
     pub outbound: Arc<Outbound>,
     pub dns: Arc<DnsResponder>,
     pub drain: Drain,
+    /// Where captures are remembered across restarts (`None`: not at all).
+    state: Option<PathBuf>,
     pods: Mutex<HashMap<(String, String), Enrolled>>,
     /// One enrollment at a time: add/remove of the same pod must not interleave.
     changes: tokio::sync::Mutex<()>,
 }
 
 impl Transparent {
-    pub fn new(outbound: Arc<Outbound>, dns: Arc<DnsResponder>, drain: Drain) -> Arc<Self> {
+    pub fn new(
+        outbound: Arc<Outbound>,
+        dns: Arc<DnsResponder>,
+        drain: Drain,
+        state: Option<PathBuf>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             outbound,
             dns,
             drain,
+            state,
             pods: Mutex::new(HashMap::new()),
             changes: tokio::sync::Mutex::new(()),
         })
@@ -345,6 +361,19 @@ impl Transparent {
     }
 
     async fn add(&self, namespace: String, name: String, netns: PathBuf) -> Result<bool, String> {
+        // Kubernetes names (they also name the state file).
+        let valid = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 253
+                && s.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+                && !s.starts_with('.')
+        };
+        if !valid(&namespace) || !valid(&name) {
+            return Err(format!(
+                "{namespace:?}/{name:?} is not a pod's namespace and name (lower-case letters, digits, '-' and '.')"
+            ));
+        }
         // The plugin runs when the pod's sandbox is made, moments after the
         // pod was scheduled here: give discovery a little time to see it.
         let deadline = tokio::time::Instant::now() + POD_WAIT;
@@ -402,6 +431,17 @@ impl Transparent {
         ));
         let dns_task = tokio::spawn(crate::dns::serve_udp(dns, self.dns.clone()));
         tracing::info!(pod = %format!("{namespace}/{name}"), netns = %netns.display(), "transparent mode on");
+        if let Some(file) = self.state_file(&namespace, &name) {
+            let request = EnrollRequest::Add {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                netns: netns.clone(),
+            };
+            if let Err(e) = write_state(&file, &request) {
+                // Captured now; only a restart of the proxy would miss it.
+                tracing::warn!(file = %file.display(), "remembering the capture: {e}");
+            }
+        }
         self.pods.lock().unwrap_or_else(|e| e.into_inner()).insert(
             key,
             Enrolled {
@@ -412,7 +452,112 @@ impl Transparent {
         Ok(true)
     }
 
+    /// The state file of a pod; `None` without a state folder.
+    fn state_file(&self, namespace: &str, name: &str) -> Option<PathBuf> {
+        Some(
+            self.state
+                .as_ref()?
+                .join(format!("{namespace}_{name}.json")),
+        )
+    }
+
+    /// Enrolls again the pods an earlier proxy on this node captured (its
+    /// state folder), those that still run here with their namespace; the
+    /// others' files go. Call before reporting ready: until then the
+    /// node's transparent pods fail closed. How many were enrolled.
+    pub async fn restore(&self) -> usize {
+        let Some(dir) = &self.state else { return 0 };
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return 0,
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), "reading the captured pods: {e}");
+                return 0;
+            }
+        };
+        let mut restored = 0;
+        for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let request = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|text| serde_json::from_str::<EnrollRequest>(&text).ok());
+            let Some(EnrollRequest::Add {
+                namespace,
+                name,
+                netns,
+            }) = request
+            else {
+                tracing::warn!(file = %path.display(), "not a capture; removed");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            };
+            let pod = format!("{namespace}/{name}");
+            // A sandbox's namespace is a bind mount of nsfs: gone (or a
+            // plain file left behind) means the pod is gone.
+            if !is_netns(&netns) {
+                tracing::info!(%pod, netns = %netns.display(), "captured pod's namespace is gone; forgotten");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            match self
+                .apply(EnrollRequest::Add {
+                    namespace,
+                    name,
+                    netns,
+                })
+                .await
+            {
+                Ok(true) => {
+                    tracing::info!(%pod, "enrolled again after the proxy's restart");
+                    restored += 1;
+                }
+                Ok(false) => {
+                    tracing::info!(%pod, "no longer asks for transparent mode; released");
+                }
+                Err(e) => {
+                    tracing::warn!(%pod, "not enrolled again: {e}");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        restored
+    }
+
+    /// Strait is being uninstalled: every captured pod gets its own
+    /// network back (rules out, sockets closed) and the state goes.
+    pub async fn release_all(&self) -> usize {
+        let keys: Vec<(String, String)> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let mut released = 0;
+        for (namespace, name) in keys {
+            let _one = self.changes.lock().await;
+            match self.remove(&namespace, &name).await {
+                Ok(()) => released += 1,
+                Err(e) => tracing::warn!(pod = %format!("{namespace}/{name}"), "releasing: {e}"),
+            }
+        }
+        if let Some(dir) = &self.state {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        released
+    }
+
     async fn remove(&self, namespace: &str, name: &str) -> Result<(), String> {
+        if let Some(file) = self.state_file(namespace, name) {
+            match std::fs::remove_file(&file) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!(file = %file.display(), "forgetting the capture: {e}");
+                }
+                _ => {}
+            }
+        }
         let removed = self
             .pods
             .lock()
@@ -437,6 +582,25 @@ impl Transparent {
     pub fn enrolled(&self) -> usize {
         self.pods.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
+}
+
+/// Whether `path` is a network namespace (nsfs), not a leftover file.
+fn is_netns(path: &Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|fs| fs.f_type == NSFS_MAGIC)
+}
+
+/// `NSFS_MAGIC` of linux/magic.h.
+const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
+
+/// One capture, written whole (rename) with mode 0600.
+fn write_state(file: &Path, request: &EnrollRequest) -> io::Result<()> {
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec(request).map_err(io::Error::other)?)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::rename(&tmp, file)
 }
 
 /// The client side of enrollment (what a CNI plugin does): one request on

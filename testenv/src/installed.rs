@@ -266,6 +266,8 @@ impl InstalledMesh {
                     &path(name),
                     "--gateway-service-type",
                     "NodePort",
+                    // Pods may opt in to transparent mode (`app_manifests`).
+                    "--transparent",
                 ],
             )?;
             apply(&cluster.cluster().kubeconfig_path(), &manifests)?;
@@ -404,6 +406,53 @@ spec:
 "#,
         image = images::BACKEND_IMAGE
     )
+}
+
+/// A bare Pod `shop/app` (ServiceAccount `client`, so the same identity as
+/// the `client` Deployment) in transparent mode: no `http_proxy`, its
+/// traffic redirected to its node proxy inside its own network namespace
+/// (Strait installed with `--transparent`). Bare, so that a test can tell
+/// it was never recreated (same UID).
+pub fn app_manifests() -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: app
+  namespace: shop
+  labels: {{app: app}}
+  annotations: {{strait.dev/transparent: enabled}}
+spec:
+  serviceAccountName: client
+  containers:
+    - name: app
+      image: {image}
+      args: ["--http", "0.0.0.0:8080"]
+      env:
+        - name: POD_NAME
+          valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+"#,
+        image = images::BACKEND_IMAGE
+    )
+}
+
+/// `strait-backend --get URL` (`--http2`: h2c, prior knowledge) in the
+/// transparent-mode `app` pod: no proxy settings at all.
+pub fn get_from_app(kubeconfig: &Path, url: &str, http2: bool) -> std::process::Output {
+    let mut args = vec![
+        "exec",
+        "-n",
+        "shop",
+        "app",
+        "--",
+        "/usr/local/bin/strait-backend",
+        "--get",
+        url,
+    ];
+    if http2 {
+        args.push("--http2");
+    }
+    kubectl_output(kubeconfig, &args, None)
 }
 
 /// `strait-backend --get URL` run in the `client` pod (`kubectl exec`):

@@ -3,8 +3,10 @@
 //!
 //! ```text
 //!  node netns (eth0 10.S.0.(10+n), pods 10.S.n.0/24)
-//!  └─ private mount namespace (held by an anchor process)
-//!     /run              tmpfs            (containerd's shim sockets, iptables lock)
+//!  └─ own mount namespace (held by an anchor process; its mounts shared among
+//!     themselves and the node's containers, as systemd leaves a host)
+//!     /run              tmpfs            (containerd's shim sockets, pods' /run/netns,
+//!                                        iptables lock)
 //!     /etc /var /opt    overlays         lower: the host's, upper: <node dir>/overlay/…
 //!     /var/lib/containerd  bind <node dir>/containerd (ext4: the overlayfs snapshotter
 //!                                        cannot put its layers on an overlay)
@@ -556,6 +558,16 @@ impl RealNode {
             .find_map(|dir| cgroup_procs(dir).into_iter().next())
     }
 
+    /// A file as the node sees it (its own `/etc`, `/opt`, `/run`…), e.g.
+    /// the CNI configuration a DaemonSet wrote through a hostPath; `None`
+    /// when the node has no such file.
+    pub fn read_file(&self, path: &Path) -> Option<Vec<u8>> {
+        let pid = self.mounts.as_ref()?.pid()?;
+        // /proc/<pid>/root: the anchor's root, inside its mount namespace.
+        let relative = path.strip_prefix("/").unwrap_or(path);
+        std::fs::read(Path::new(&format!("/proc/{pid}/root")).join(relative)).ok()
+    }
+
     /// Kills the kubelet (as a node failure would): the node's pods keep
     /// running, and the control plane marks the node NotReady after its grace
     /// period.
@@ -695,6 +707,11 @@ impl RealNode {
                 .map_err(|e| self.error("write the sysctl files", e))?;
             script.push(format!("mount --bind {} /proc/sys/{key}", file.display()));
         }
+        // As systemd leaves a host: mounts shared, so a pod's hostPath with
+        // HostToContainer propagation sees what is mounted later (the
+        // network namespaces of pods the node proxy captures). The peer
+        // groups are this namespace's own: nothing reaches the host's.
+        script.push("mount --make-rshared /".into());
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--mount=/proc/{pid}/ns/mnt"))
             .args(["--", "sh", "-c"])
@@ -918,8 +935,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = "{PAUSE_IMAGE}"
   # runc may not lower oom_score_adj here: no CAP_SYS_RESOURCE on this kind of machine.
   restrict_oom_score_adj = true
-  # Pod network namespaces under the node's own state folder, not the host's /run/netns.
-  netns_mounts_under_state_dir = true
+  # Pod network namespaces in /var/run/netns (the node's own /run), as on kind
+  # and most distributions: where transparent mode's hostPath finds them.
   enable_selinux = false
   disable_apparmor = true
   max_container_log_line_size = 16384

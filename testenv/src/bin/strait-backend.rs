@@ -37,6 +37,10 @@ struct Args {
     /// which resolves the destination; default: `http_proxy`, as apps do.
     #[arg(long, env = "http_proxy", requires = "get")]
     proxy: Option<String>,
+    /// With --get: HTTP/2 with prior knowledge (h2c, as gRPC speaks it),
+    /// directly to the host (no proxy: for transparent-mode pods).
+    #[arg(long, requires = "get")]
+    http2: bool,
     /// Address to serve HTTP/1.1 and h2c on (repeatable).
     #[arg(long)]
     http: Vec<SocketAddr>,
@@ -69,7 +73,8 @@ struct Behaviour {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(uri) = args.get {
-        return get(uri, args.proxy.filter(|p| !p.is_empty())).await;
+        let proxy = args.proxy.filter(|p| !p.is_empty() && !args.http2);
+        return get(uri, proxy, args.http2).await;
     }
     strait_mesh::telemetry::init_tracing(Default::default(), "info");
     anyhow::ensure!(!args.name.is_empty(), "give --name (or POD_NAME)");
@@ -261,7 +266,7 @@ async fn echo(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
 /// `--get`: one GET with the system resolver, body to stdout. Through a
 /// proxy (`--proxy`, or `http_proxy` as a meshed app has it) the request goes
 /// in absolute form, and the proxy resolves the destination.
-async fn get(uri: http::Uri, proxy: Option<String>) -> anyhow::Result<()> {
+async fn get(uri: http::Uri, proxy: Option<String>, http2: bool) -> anyhow::Result<()> {
     use http_body_util::{BodyExt, Empty};
     let host = uri
         .host()
@@ -296,17 +301,28 @@ async fn get(uri: http::Uri, proxy: Option<String>) -> anyhow::Result<()> {
         .await
         .map_err(|_| anyhow::anyhow!("connect {addr} ({connect_host}): timed out"))?
         .map_err(|e| anyhow::anyhow!("connect {addr} ({connect_host}): {e}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    let request = Request::get(target)
-        .header(hyper::header::HOST, format!("{host}:{port}"))
-        .body(Empty::<Bytes>::new())?;
-    let response = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        sender.send_request(request),
-    )
-    .await
-    .map_err(|_| anyhow::anyhow!("GET {uri}: no answer within 10s"))??;
+    let answer = async {
+        if http2 {
+            let (mut sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                    .await?;
+            tokio::spawn(conn);
+            // h2 carries the authority in the URI (`:authority`).
+            let request = Request::get(uri.clone()).body(Empty::<Bytes>::new())?;
+            Ok::<_, anyhow::Error>(sender.send_request(request).await?)
+        } else {
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+            tokio::spawn(conn);
+            let request = Request::get(target)
+                .header(hyper::header::HOST, format!("{host}:{port}"))
+                .body(Empty::<Bytes>::new())?;
+            Ok(sender.send_request(request).await?)
+        }
+    };
+    let response = tokio::time::timeout(std::time::Duration::from_secs(10), answer)
+        .await
+        .map_err(|_| anyhow::anyhow!("GET {uri}: no answer within 10s"))??;
     let status = response.status();
     let body = response.into_body().collect().await?.to_bytes();
     println!("{}", String::from_utf8_lossy(&body));
