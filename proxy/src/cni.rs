@@ -195,8 +195,11 @@ impl CniChain {
     }
 
     /// Installs, then keeps the entry in place (every [`RECHECK`]) until
-    /// the drain; the first install is awaited (retried until it works).
-    pub async fn keep_installed(self, drain: crate::Drain) {
+    /// `stop` resolves; the first install is retried until it works. An
+    /// install in progress finishes before this returns, so a caller that
+    /// awaits it may uninstall without a late install putting the entry back.
+    pub async fn keep_installed(self, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
         let mut warned = false;
         loop {
             let chain = self.clone();
@@ -214,7 +217,7 @@ impl CniChain {
             }
             tokio::select! {
                 _ = tokio::time::sleep(RECHECK) => {}
-                _ = drain.signaled() => return,
+                _ = &mut stop => return,
             }
         }
     }

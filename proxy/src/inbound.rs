@@ -292,9 +292,12 @@ async fn serve_http(
             )
         }
     };
+    let h1 = protocol != Protocol::Http2;
+    let closing = drain.clone();
     let service =
         hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let (sender, series, client_id) = (sender.clone(), series.clone(), client_id.clone());
+            let drain_closing = closing.clone();
             async move {
                 crate::hop::strip(req.headers_mut());
                 req.headers_mut().insert(CLIENT_ID_HEADER, client_id);
@@ -312,7 +315,10 @@ async fn serve_http(
                     // This tunnel's HTTP/1 connection is tied to one pod
                     // connection: when the pod closes it, the tunnel closes too
                     // (the sending proxy then opens a new one).
-                    let closing = crate::hop::says_close(response.headers());
+                    // Or this proxy is shutting down: the sender's pool
+                    // drops the tunnel after this answer, not during the next.
+                    let closing = crate::hop::says_close(response.headers())
+                        || (h1 && drain_closing.is_closing());
                     crate::hop::strip(response.headers_mut());
                     if closing {
                         response.headers_mut().insert(

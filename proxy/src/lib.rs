@@ -34,12 +34,19 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 
-/// Graceful shutdown: listeners stop accepting when `shutdown` fires; open
-/// connections hold a [`DrainGuard`] and the process waits for them (bounded).
+/// Graceful shutdown, in two phases. First *closing* ([`Drain::start_closing`],
+/// at SIGTERM, for the shutdown delay): listeners still accept (Service
+/// endpoints and peers take a moment to learn that the pod is terminating),
+/// but every HTTP/1 response says `connection: close`, so keep-alive clients
+/// move to the next proxy between two requests, never in the middle of one.
+/// Then the drain proper: listeners stop accepting when `shutdown` fires;
+/// open connections hold a [`DrainGuard`] and the process waits for them
+/// (bounded).
 #[derive(Clone, Debug)]
 pub struct Drain {
     active: Arc<AtomicUsize>,
     idle: Arc<Notify>,
+    closing: Arc<std::sync::atomic::AtomicBool>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -62,10 +69,32 @@ impl Drain {
             Self {
                 active: Arc::default(),
                 idle: Arc::default(),
+                closing: Arc::default(),
                 shutdown: rx,
             },
             tx,
         )
+    }
+
+    /// The first phase: from now on HTTP/1 responses close their connection.
+    pub fn start_closing(&self) {
+        self.closing.store(true, Ordering::Release);
+    }
+
+    /// Whether connections should close after their current response
+    /// (closing phase or drain).
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire) || *self.shutdown.borrow()
+    }
+
+    /// Adds `connection: close` to an HTTP/1 response once closing has begun.
+    pub fn mark_closing<B>(&self, response: &mut http::Response<B>) {
+        if self.is_closing() {
+            response.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
     }
 
     pub fn guard(&self) -> DrainGuard {

@@ -82,9 +82,17 @@ struct Args {
     /// nameserver of /etc/resolv.conf; none: such names are refused).
     #[arg(long, env = "STRAIT_DNS_UPSTREAM")]
     dns_upstream: Option<SocketAddr>,
-    /// How long open connections may finish after SIGTERM.
+    /// How long open connections may finish after SIGTERM (after the
+    /// shutdown delay).
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
+    /// After SIGTERM, how long the proxy still accepts connections (not
+    /// ready; every HTTP/1 response closes its connection) before its
+    /// listeners stop: the time kube-proxy and the other proxies take to
+    /// learn that this pod is terminating, so none of their new connections
+    /// is refused. As Istio's terminationDrainDuration.
+    #[arg(long, env = "STRAIT_SHUTDOWN_DELAY", default_value = "3s", value_parser = humantime::parse_duration)]
+    shutdown_delay: Duration,
     #[command(flatten)]
     identity: IdentityArgs,
     /// Log format: plain or json.
@@ -226,8 +234,14 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
                     plugin,
                     enroll_socket: path.clone(),
                 };
-                tokio::spawn(chain.clone().keep_installed(drain.clone()));
-                Some(chain)
+                // Stopped at SIGTERM, before the uninstall check: a recheck
+                // during the shutdown delay must not put back an entry the
+                // uninstall just took out.
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let keeper = tokio::spawn(chain.clone().keep_installed(async {
+                    let _ = stopped.await;
+                }));
+                Some((chain, stop, keeper))
             }
             _ => None,
         };
@@ -303,30 +317,24 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         }
     }
     readiness.set_ready(false);
-    let _ = start_drain.send(true);
-    if let Some((transparent, chain)) = transparent_mode
-        && being_uninstalled(&client, &args.pod_namespace).await
-    {
-        // New pods first (they must not wait for a proxy that will not
-        // come), then the pods this proxy captured get their network back.
-        if let Some(chain) = chain {
-            match tokio::task::spawn_blocking(move || chain.uninstall()).await {
-                Ok(Ok(files)) => tracing::info!(
-                    ?files,
-                    "strait-cni taken out of the node's CNI configuration"
-                ),
-                Ok(Err(e)) => {
-                    tracing::warn!("taking strait-cni out of the node's CNI configuration: {e}")
-                }
-                Err(e) => tracing::warn!("{e}"),
+    drain.start_closing();
+    tracing::info!(delay = ?args.shutdown_delay, "shutting down: closing connections after their current response");
+    let delay = tokio::time::sleep(args.shutdown_delay);
+    if let Some((transparent, chain)) = transparent_mode {
+        let chain = match chain {
+            Some((chain, stop, keeper)) => {
+                let _ = stop.send(());
+                let _ = keeper.await;
+                Some(chain)
             }
+            None => None,
+        };
+        if being_uninstalled(&client, &args.pod_namespace).await {
+            uninstall_transparent(&transparent, chain).await;
         }
-        let released = transparent.release_all().await;
-        tracing::info!(
-            released,
-            "Strait is being uninstalled: transparent mode undone on this node"
-        );
     }
+    delay.await;
+    let _ = start_drain.send(true);
     tracing::info!(open = drain.active(), "draining");
     let left = drain.wait_idle(args.drain_timeout).await;
     if left > 0 {
@@ -336,6 +344,32 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Undoes transparent mode on this node: new pods first (they must not wait
+/// for a proxy that will not come), then the pods this proxy captured get
+/// their own network back.
+async fn uninstall_transparent(
+    transparent: &Arc<Transparent>,
+    chain: Option<strait_proxy::cni::CniChain>,
+) {
+    if let Some(chain) = chain {
+        match tokio::task::spawn_blocking(move || chain.uninstall()).await {
+            Ok(Ok(files)) => tracing::info!(
+                ?files,
+                "strait-cni taken out of the node's CNI configuration"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!("taking strait-cni out of the node's CNI configuration: {e}")
+            }
+            Err(e) => tracing::warn!("{e}"),
+        }
+    }
+    let released = transparent.release_all().await;
+    tracing::info!(
+        released,
+        "Strait is being uninstalled: transparent mode undone on this node"
+    );
 }
 
 /// Whether this proxy stops because Strait is being uninstalled (its

@@ -1,5 +1,5 @@
 //! The outbound side (port 4140): an HTTP proxy for the pods on this node
-//! (`http_proxy=$(NODE_IP):4140`). Absolute-form HTTP/1 requests are balanced
+//! (`http_proxy` = the `strait-proxy` Service, `internalTrafficPolicy: Local`). Absolute-form HTTP/1 requests are balanced
 //! per request over the destination's endpoints; `CONNECT host:port` carries
 //! any TCP protocol to one endpoint. Either way the bytes travel to the node
 //! proxy of the chosen endpoint over mutual TLS, where the calling pod's
@@ -355,10 +355,15 @@ impl Outbound {
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let (this, caller, tunnels) = (this.clone(), caller.clone(), tunnels.clone());
             async move {
-                let response = match caller {
+                let connect = req.method() == http::Method::CONNECT;
+                let mut response = match caller {
                     Ok(caller) => this.route(req, caller, &tunnels).await,
                     Err(message) => text(StatusCode::FORBIDDEN, message),
                 };
+                // An accepted CONNECT becomes the tunnel: nothing to close.
+                if !(connect && response.status().is_success()) {
+                    tunnels.mark_closing(&mut response);
+                }
                 Ok::<_, Infallible>(response)
             }
         });
@@ -451,11 +456,13 @@ impl Outbound {
             }
             Protocol::Http1 | Protocol::Http2 => {
                 let this = self.clone();
+                let http1 = protocol == Protocol::Http1;
+                let closing = drain.clone();
                 let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let (this, caller) = (this.clone(), caller.clone());
+                    let (this, caller, closing) = (this.clone(), caller.clone(), closing.clone());
                     async move {
                         // Endpoints change under a long-lived connection: ask per request.
-                        let response = match this
+                        let mut response = match this
                             .destinations
                             .resolve(&original.ip().to_string(), original.port())
                         {
@@ -465,6 +472,9 @@ impl Outbound {
                             }
                             Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                         };
+                        if http1 {
+                            closing.mark_closing(&mut response);
+                        }
                         Ok::<_, Infallible>(response)
                     }
                 });
@@ -511,8 +521,8 @@ impl Outbound {
             format!(
                 "{ip} is not a pod on node {}: the node proxy serves only this node's pods, \
                  known by their own source address; if a pod of this node sent this, its \
-                 address was rewritten on the way (hostPort through the CNI portmap plugin \
-                 masquerades same-node callers unless its \"snat\" is false): reach the \
+                 address was rewritten on the way (e.g. a hostPort through the CNI portmap \
+                 plugin masquerades same-node callers unless its \"snat\" is false): reach the \
                  proxy through the strait-proxy Service (internalTrafficPolicy: Local) or \
                  transparent mode instead",
                 self.node

@@ -194,25 +194,69 @@ struct PodSockets {
     dns: std::net::UdpSocket,
 }
 
-/// Inside the pod's namespace: old rules out, sockets bound, rules in.
+/// Inside the pod's namespace: sockets bound, then the rules (re)installed
+/// unless exactly ours are in place. The sockets share their ports
+/// (`SO_REUSEPORT`, root's only) with those of the proxy this one replaces,
+/// which serves until it stops: during a rollout both take the pod's
+/// connections, and the rules are never out, so nothing leaves the mesh.
 fn capture(netns: &Path) -> io::Result<PodSockets> {
     in_netns(netns, || {
-        for args in remove_rules() {
-            let _ = iptables(&args);
-        }
+        use socket2::{Domain, Protocol, Socket, Type};
         // Loopback only: REDIRECT sends the pod's own connections to
         // 127.0.0.1, and nothing outside the pod can reach these sockets and
         // pass for the pod. (UDP must answer from the address it was asked
         // at, or conntrack cannot undo the redirection on the answer.)
-        let tcp = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, OUTBOUND_PORT))?;
-        tcp.set_nonblocking(true)?;
-        let dns = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, DNS_PORT))?;
-        dns.set_nonblocking(true)?;
-        for args in install_rules() {
-            iptables(&args)?;
+        let bind = |kind: Type, protocol: Protocol, port: u16| -> io::Result<Socket> {
+            let socket = Socket::new(Domain::IPV4, kind, Some(protocol))?;
+            socket.set_reuse_address(true)?;
+            socket.set_reuse_port(true)?;
+            socket.set_nonblocking(true)?;
+            let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+            socket.bind(&addr.into())?;
+            Ok(socket)
+        };
+        let tcp = bind(Type::STREAM, Protocol::TCP, OUTBOUND_PORT)?;
+        tcp.listen(1024)?;
+        let dns = bind(Type::DGRAM, Protocol::UDP, DNS_PORT)?;
+        if !rules_in_place() {
+            for args in remove_rules() {
+                let _ = iptables(&args);
+            }
+            for args in install_rules() {
+                iptables(&args)?;
+            }
         }
-        Ok(PodSockets { tcp, dns })
+        Ok(PodSockets {
+            tcp: tcp.into(),
+            dns: dns.into(),
+        })
     })
+}
+
+/// Whether the namespace holds exactly the rules [`install_rules`] makes.
+fn rules_in_place() -> bool {
+    let rules = install_rules();
+    let checks = rules[1..].iter().all(|args| {
+        let check: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a == "-A" {
+                    "-C".to_string()
+                } else {
+                    a.clone()
+                }
+            })
+            .collect();
+        iptables(&check).is_ok()
+    });
+    let listed = Command::new("iptables")
+        .args(["-w", "-t", "nat", "-S", CHAIN])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).lines().count());
+    // `-N` plus the chain's own rules (the jump from OUTPUT is not listed).
+    checks && listed == Some(rules.len() - 1)
 }
 
 fn release(netns: &Path) -> io::Result<()> {

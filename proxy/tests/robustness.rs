@@ -168,6 +168,94 @@ async fn sigterm_finishes_requests_in_flight_refuses_new_connections_and_exits()
     );
 }
 
+/// One HTTP/1 request on `conn`; the response head, lower-cased.
+async fn request_head(conn: &mut TcpStream) -> String {
+    conn.write_all(b"GET http://web.shop/ HTTP/1.1\r\nHost: web.shop\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(NO_HANG, conn.read(&mut buf))
+        .await
+        .expect("an answer")
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).to_lowercase()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_the_shutdown_delay_connections_are_still_accepted_and_close_after_their_answer() {
+    let Some(mut mesh) = small_mesh("10ms").await else {
+        return;
+    };
+    // Node 1's proxy again, with the delay a DaemonSet pod has (shorter).
+    let node = mesh.topology.nodes()[0].clone();
+    mesh.proxies[0].stop(Duration::from_secs(5));
+    mesh.proxies[0] = spawn_proxy_with(
+        &mesh,
+        &node,
+        Path::new(env!("CARGO_BIN_EXE_strait-proxy")),
+        &["--shutdown-delay=1500ms"],
+    );
+    let outbound = SocketAddr::new(IpAddr::V4(node.ip()), 4140);
+    let admin = SocketAddr::new(IpAddr::V4(node.ip()), 4191);
+    eventually("the restarted proxy is ready", WAIT, || async {
+        match http_get(admin, "/ready").await {
+            Ok(r) if r.starts_with("HTTP/1.1 200") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    // A kept-alive connection (the test is no pod: 403s, but kept alive).
+    let mut kept = TcpStream::connect(outbound).await.unwrap();
+    let head = request_head(&mut kept).await;
+    assert!(
+        head.starts_with("http/1.1 403") && !head.contains("connection: close"),
+        "{head}"
+    );
+
+    let signaled = Instant::now();
+    sigterm(mesh.proxies[0].pid().unwrap());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ready = http_get(admin, "/ready").await.unwrap();
+    assert!(
+        ready.starts_with("HTTP/1.1 503"),
+        "not ready at once: {ready}"
+    );
+    // The kept-alive connection's next answer closes it (the client moves
+    // on between two requests, not in the middle of one)…
+    let head = request_head(&mut kept).await;
+    assert!(head.contains("connection: close"), "{head}");
+    let mut buf = [0u8; 64];
+    let eof = tokio::time::timeout(NO_HANG, kept.read(&mut buf)).await;
+    assert!(matches!(eof, Ok(Ok(0)) | Ok(Err(_))), "{eof:?}");
+    // …and a new connection (a stale route to this pod) is still served.
+    let mut late = TcpStream::connect(outbound)
+        .await
+        .expect("accepted during the shutdown delay");
+    let head = request_head(&mut late).await;
+    assert!(
+        head.starts_with("http/1.1 403") && head.contains("connection: close"),
+        "{head}"
+    );
+    assert!(signaled.elapsed() < Duration::from_millis(1500));
+    // After the delay the listener stops, then the proxy exits.
+    eventually("the outbound listener closed", WAIT, || async {
+        match TcpStream::connect(outbound).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let refused_after = signaled.elapsed();
+    assert!(
+        refused_after >= Duration::from_millis(1500),
+        "the listener closed {refused_after:?} after SIGTERM, before the delay"
+    );
+    let (_, success) = exited_within(&mut mesh, DRAIN_TIMEOUT + Duration::from_secs(3))
+        .await
+        .expect("the proxy exits after the delay and the drain");
+    assert!(success);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_pooled_tunnel_does_not_hold_the_destination_proxys_drain() {
     let Some(mut mesh) = small_mesh("10ms").await else {

@@ -101,6 +101,94 @@ pub enum NodeError {
         log: PathBuf,
         tail: String,
     },
+    #[error(
+        "port {port}/{protocol} is taken on every address of this host{holder}: real-node clusters run \
+         {component} on port {port} of their LAN address; stop that program, or make it listen on \
+         specific addresses only (dnsmasq: `bind-interfaces`; systemd-resolved's 127.0.0.53 is fine)"
+    )]
+    PortInUse {
+        port: u16,
+        protocol: &'static str,
+        component: &'static str,
+        /// `, by <ss output>` when `ss` names the socket's owner.
+        holder: String,
+    },
+}
+
+/// Ports a real-node cluster's own services bind on the host, at the
+/// cluster's LAN address (the API server's port is picked free).
+const HOST_PORTS: &[(u16, &str)] = &[(53, "CoreDNS (cluster DNS)")];
+
+/// Fails if a socket bound to every address (0.0.0.0, or a dual-stack `::`)
+/// holds one of [`HOST_PORTS`]: the cluster's bind to its LAN address would
+/// then fail half-way through `up`. The probe binds a documentation address
+/// (RFC 5737) with IP_FREEBIND, which the kernel refuses exactly when it would
+/// refuse the LAN address, and needs no address of the host.
+pub fn check_host_ports() -> Result<(), NodeError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    for &(port, component) in HOST_PORTS {
+        let probe = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+        for (ty, proto, protocol) in [
+            (Type::STREAM, Protocol::TCP, "tcp"),
+            (Type::DGRAM, Protocol::UDP, "udp"),
+        ] {
+            let setup = |e: std::io::Error| NodeError::Setup {
+                node: "(host)".into(),
+                what: format!("probe port {port}/{protocol}"),
+                message: e.to_string(),
+            };
+            let socket = Socket::new(Domain::IPV4, ty, Some(proto)).map_err(setup)?;
+            socket.set_freebind_v4(true).map_err(setup)?;
+            match socket.bind(&probe.into()) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                    return Err(NodeError::PortInUse {
+                        port,
+                        protocol,
+                        component,
+                        holder: port_holder(port, protocol),
+                    });
+                }
+                Err(e) => return Err(setup(e)),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Who holds a port, as `ss` tells it (best effort: empty if it cannot).
+fn port_holder(port: u16, protocol: &str) -> String {
+    let flag = if protocol == "tcp" {
+        "-Hlnpt"
+    } else {
+        "-Hlnpu"
+    };
+    let out = Command::new("ss")
+        .args([flag, &format!("sport = :{port}")])
+        .output();
+    match out {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let lines: Vec<&str> = text
+                .lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .filter_map(|words| {
+                    // One protocol, no header: state, queues, local, peer, process.
+                    let local = words.get(3)?;
+                    let wildcard = ["0.0.0.0:", "*:", "[::]:"]
+                        .iter()
+                        .any(|p| local.starts_with(p));
+                    wildcard.then(|| words.get(5).copied()).flatten()
+                })
+                .collect();
+            if lines.is_empty() {
+                String::new()
+            } else {
+                format!(", by {}", lines.join(" "))
+            }
+        }
+        _ => String::new(),
+    }
 }
 
 fn on_path(program: &str) -> bool {
@@ -182,7 +270,7 @@ pub fn preflight() -> Result<(), NodeError> {
             "a kernel with overlayfs (containerd's snapshotter and the node's /etc, /var overlays use it)",
         ));
     }
-    Ok(())
+    check_host_ports()
 }
 
 /// A mounted cgroup hierarchy: its folder and its controllers.

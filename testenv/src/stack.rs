@@ -380,6 +380,8 @@ impl MeshCluster {
                 format!("--cluster-name={}", self.name),
                 format!("--trust-domain={TRUST_DOMAIN}"),
                 "--drain-timeout=1s".into(),
+                // Nothing here routes by EndpointSlices to a stopping proxy.
+                "--shutdown-delay=0s".into(),
             ];
             args.extend(self.identity_args(&dir)?);
             let process = node.spawn(

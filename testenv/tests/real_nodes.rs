@@ -307,3 +307,75 @@ async fn real_nodes_run_pods_services_dns_logs_and_exec() {
         );
     }
 }
+
+/// In a network namespace of its own (so the host's port 53 is untouched): a
+/// socket on 0.0.0.0:53 (UDP) or a dual-stack [::]:53 (TCP) makes the
+/// preflight fail with a message naming the port and its holder; once they are
+/// closed it passes. The process holding them is this test, which `ss` names.
+#[test]
+fn preflight_refuses_a_port_a_node_cluster_needs_that_is_taken_on_every_address() {
+    use std::os::fd::AsFd;
+    use strait_testenv::realnode::{NodeError, check_host_ports};
+    if !root_or_skip("preflight_refuses_a_port_…") {
+        return;
+    }
+    let mut anchor = std::process::Command::new("unshare")
+        .args(["--net", "sleep", "infinity"])
+        .spawn()
+        .expect("unshare");
+    // unshare execs sleep once the namespace exists: wait until it differs from ours.
+    let ns_path = format!("/proc/{}/ns/net", anchor.id());
+    let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_link(&ns_path)
+        .ok()
+        .is_none_or(|ns| ns == ours)
+    {
+        assert!(Instant::now() < deadline, "unshare --net did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ns = std::fs::File::open(&ns_path).unwrap();
+    let outcome = std::thread::spawn(move || {
+        rustix::thread::move_into_link_name_space(
+            ns.as_fd(),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .expect("setns");
+        let free = check_host_ports().map_err(|e| e.to_string());
+        let udp = std::net::UdpSocket::bind("0.0.0.0:53").unwrap();
+        let udp_taken = check_host_ports();
+        drop(udp);
+        let tcp = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None).unwrap();
+        tcp.set_only_v6(false).unwrap();
+        tcp.bind(&"[::]:53".parse::<std::net::SocketAddr>().unwrap().into())
+            .unwrap();
+        tcp.listen(8).unwrap();
+        let tcp_taken = check_host_ports();
+        drop(tcp);
+        let free_again = check_host_ports().map_err(|e| e.to_string());
+        (free, udp_taken, tcp_taken, free_again)
+    })
+    .join()
+    .unwrap();
+    anchor.kill().unwrap();
+    anchor.wait().unwrap();
+    let (free, udp_taken, tcp_taken, free_again) = outcome;
+    assert_eq!(free, Ok(()), "nothing holds port 53 in a fresh namespace");
+    let test_binary = std::env::current_exe().unwrap();
+    let test_binary = test_binary.file_name().unwrap().to_string_lossy();
+    for (result, protocol) in [(udp_taken, "udp"), (tcp_taken, "tcp")] {
+        let err = result.expect_err("a wildcard socket on port 53 must fail the preflight");
+        let message = err.to_string();
+        assert!(
+            matches!(err, NodeError::PortInUse { port: 53, protocol: p, .. } if p == protocol),
+            "{message}"
+        );
+        // ss names the holder by its command name (at most 15 characters of it).
+        let short: String = test_binary.chars().take(15).collect();
+        assert!(
+            message.contains(&format!("port 53/{protocol}")) && message.contains(&short),
+            "the message names the port and who holds it: {message}"
+        );
+    }
+    assert_eq!(free_again, Ok(()), "closed sockets free the port again");
+}

@@ -142,13 +142,7 @@ impl Snapshot {
                 Some(((ns, p.name_any()), wanted))
             })
             .collect();
-        let node_proxies: HashMap<String, SocketAddr> = nodes
-            .iter()
-            .filter_map(|n| {
-                let ip = internal_ip(n)?;
-                Some((n.name_any(), SocketAddr::new(ip, config.inbound_port)))
-            })
-            .collect();
+        let node_proxies = node_proxies(nodes, pods, config.inbound_port);
         let mut pods_by_ip: HashMap<IpAddr, Arc<PodInfo>> = HashMap::new();
         let mut pods_by_name: HashMap<(&str, &str), Arc<PodInfo>> = HashMap::new();
         for pod in pods {
@@ -550,6 +544,59 @@ fn annotation_ports(annotations: &BTreeMap<String, String>, on: PortsSource) -> 
         tracing::debug!("{e}");
     }
     ports
+}
+
+/// The namespace and ServiceAccount of the node proxies (the DaemonSet's
+/// pods; the issuer's node agent).
+pub const NODE_PROXY_ACCOUNT: (&str, &str) = ("strait-system", "strait-proxy");
+
+/// Where each node's proxy takes tunnels: the newest Ready, not terminating
+/// node-proxy pod of the node, at its pod IP (the DaemonSet has no
+/// hostPorts, so during a rollout the old and the new proxy of a node run
+/// side by side, and callers move to the new one as soon as it is Ready and
+/// the old one terminating); a node without one, at its InternalIP (a proxy
+/// on the host network).
+fn node_proxies(nodes: &[Arc<Node>], pods: &[Arc<Pod>], port: u16) -> HashMap<String, SocketAddr> {
+    let mut proxies: HashMap<String, SocketAddr> = nodes
+        .iter()
+        .filter_map(|n| Some((n.name_any(), SocketAddr::new(internal_ip(n)?, port))))
+        .collect();
+    let mut newest: HashMap<&str, &Pod> = HashMap::new();
+    for pod in pods {
+        let (Some(spec), Some(status)) = (&pod.spec, &pod.status) else {
+            continue;
+        };
+        let serving = pod.metadata.namespace.as_deref() == Some(NODE_PROXY_ACCOUNT.0)
+            && spec.service_account_name.as_deref() == Some(NODE_PROXY_ACCOUNT.1)
+            && pod.metadata.deletion_timestamp.is_none()
+            && status.pod_ip.is_some()
+            && status
+                .conditions
+                .iter()
+                .flatten()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+        let Some(node) = spec.node_name.as_deref().filter(|_| serving) else {
+            continue;
+        };
+        let created = |p: &Pod| p.metadata.creation_timestamp.clone();
+        match newest.get(node) {
+            Some(other) if created(other) >= created(pod) => {}
+            _ => {
+                newest.insert(node, pod);
+            }
+        }
+    }
+    for (node, pod) in newest {
+        let ip = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok());
+        if let Some(ip) = ip {
+            proxies.insert(node.to_string(), SocketAddr::new(ip, port));
+        }
+    }
+    proxies
 }
 
 fn internal_ip(node: &Node) -> Option<IpAddr> {

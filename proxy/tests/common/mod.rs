@@ -83,6 +83,18 @@ pub async fn start_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildPro
 /// The proxy process for `node` (its Pod and credentials made by
 /// [`start_proxy`]): to start it again, or another build of it.
 pub fn spawn_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
+    spawn_proxy_with(mesh, node, binary, &[])
+}
+
+/// [`spawn_proxy`] with more arguments. The fixture's proxies stop without
+/// a shutdown delay (`STRAIT_SHUTDOWN_DELAY=0s`, so drain timings are what
+/// the tests measure); `--shutdown-delay=…` in `extra` overrides it.
+pub fn spawn_proxy_with(
+    mesh: &Mesh,
+    node: &NetNode,
+    binary: &Path,
+    extra: &[&str],
+) -> ChildProcess {
     let index = mesh
         .topology
         .nodes()
@@ -114,6 +126,7 @@ pub fn spawn_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
             _ => {}
         }
     }
+    args.extend(extra.iter().map(|a| a.to_string()));
     let kubeconfig_path = dir.join("kubeconfig");
     // Tests want the proxy's debug logs; the benchmark sets STRAIT_PROXY_LOG=warn.
     let log_filter = std::env::var("STRAIT_PROXY_LOG").unwrap_or("strait_proxy=debug,info".into());
@@ -124,6 +137,7 @@ pub fn spawn_proxy(mesh: &Mesh, node: &NetNode, binary: &Path) -> ChildProcess {
         &[
             ("KUBECONFIG", kubeconfig_path.as_os_str()),
             ("RUST_LOG", std::ffi::OsStr::new(&log_filter)),
+            ("STRAIT_SHUTDOWN_DELAY", std::ffi::OsStr::new("0s")),
         ],
         &dir.join("proxy.log"),
     )

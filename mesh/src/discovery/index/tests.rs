@@ -415,3 +415,114 @@ fn opaque_ports_come_from_the_pod_or_service_else_the_namespace_else_the_default
     assert!(opaque(&listed, "10.244.1.5:7000"));
     assert!(!opaque(&listed, "10.244.1.5:8080"));
 }
+
+/// A node-proxy pod of `node` (strait-system, ServiceAccount strait-proxy).
+fn proxy_pod(
+    name: &str,
+    node: &str,
+    ip: &str,
+    created: &str,
+    ready: bool,
+    deleting: bool,
+) -> Arc<Pod> {
+    let mut v = json!({
+        "metadata": {"name": name, "namespace": "strait-system", "creationTimestamp": created},
+        "spec": {"nodeName": node, "serviceAccountName": "strait-proxy", "containers": []},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]},
+    });
+    if deleting {
+        v["metadata"]["deletionTimestamp"] = json!("2026-12-04T10:00:00Z");
+    }
+    obj(v)
+}
+
+#[test]
+fn tunnels_go_to_the_newest_ready_proxy_pod_of_the_node_else_the_node_address() {
+    let nodes = [
+        node("node-a", "10.0.0.11"),
+        node("node-b", "10.0.0.12"),
+        node("node-c", "10.0.0.13"),
+    ];
+    let web = [
+        pod("web-0", "node-a", "10.244.1.2", "web"),
+        pod("web-1", "node-b", "10.244.2.2", "web"),
+        pod("web-2", "node-c", "10.244.3.2", "web"),
+    ];
+    let build = |proxies: &[Arc<Pod>]| {
+        let pods: Vec<Arc<Pod>> = web.iter().cloned().chain(proxies.iter().cloned()).collect();
+        Snapshot::build(&config(), &[], &[], &pods, &nodes)
+    };
+    // A rollout on node-a: the old proxy terminating, the new one Ready.
+    // node-b: the new one not Ready yet, so the old one (newest Ready).
+    // node-c: a pod that only looks like a proxy (wrong ServiceAccount).
+    let mut impostor = (*pod("proxy-x", "node-c", "10.244.3.9", "strait-proxy")).clone();
+    impostor.metadata.namespace = Some("shop".into());
+    let snap = build(&[
+        proxy_pod(
+            "proxy-a-old",
+            "node-a",
+            "10.244.1.100",
+            "2026-12-01T00:00:00Z",
+            true,
+            true,
+        ),
+        proxy_pod(
+            "proxy-a-new",
+            "node-a",
+            "10.244.1.101",
+            "2026-12-04T00:00:00Z",
+            true,
+            false,
+        ),
+        proxy_pod(
+            "proxy-b-old",
+            "node-b",
+            "10.244.2.100",
+            "2026-12-01T00:00:00Z",
+            true,
+            false,
+        ),
+        proxy_pod(
+            "proxy-b-new",
+            "node-b",
+            "10.244.2.101",
+            "2026-12-04T00:00:00Z",
+            false,
+            false,
+        ),
+        Arc::new(impostor),
+    ]);
+    assert_eq!(snap.node_proxy("node-a"), Some(addr("10.244.1.101:4143")));
+    assert_eq!(snap.node_proxy("node-b"), Some(addr("10.244.2.100:4143")));
+    assert_eq!(
+        snap.node_proxy("node-c"),
+        Some(addr("10.0.0.13:4143")),
+        "no proxy pod: the node's address"
+    );
+    // Two Ready proxies (a surge): the newer one.
+    let snap = build(&[
+        proxy_pod(
+            "proxy-b-old",
+            "node-b",
+            "10.244.2.100",
+            "2026-12-01T00:00:00Z",
+            true,
+            false,
+        ),
+        proxy_pod(
+            "proxy-b-new",
+            "node-b",
+            "10.244.2.101",
+            "2026-12-04T00:00:00Z",
+            true,
+            false,
+        ),
+    ]);
+    assert_eq!(snap.node_proxy("node-b"), Some(addr("10.244.2.101:4143")));
+    let web1 = snap.pod("10.244.2.2".parse().unwrap()).unwrap();
+    assert!(matches!(
+        pod_route(&web1, &snap.node_proxies),
+        Some(Route::NodeProxy { proxy, .. }) if proxy == addr("10.244.2.101:4143")
+    ));
+}
