@@ -2,21 +2,22 @@
 //!
 //! - **Speaking for someone else.** A stream's header may name the original
 //!   caller (`source`); only a node proxy may do that (it holds the identities
-//!   of the pods on its node and has proven its own). Anyone else is the caller
-//!   itself, and a `source` from it is refused.
+//!   of the pods on its node and has proven its own): the rule is
+//!   [`strait_mesh::names::may_speak_for_others`], shared with the node
+//!   proxies. Anyone else is the caller itself, and a `source` from it is
+//!   refused.
 //! - **Calling a Service.** `strait.dev/allowed-identities` on the exported
 //!   Service lists who may call it (SPIFFE IDs; `*` matches one whole path
 //!   segment or the trust domain). Unset: any identity under the shared trust
 //!   anchor, which mutual TLS has already checked.
 
 use strait_mesh::identity::SpiffeId;
+use strait_mesh::names::Carrier;
 
-/// The namespace and ServiceAccount of node proxies.
-pub const PROXY_ACCOUNT: (&str, &str) = ("strait-system", "strait-proxy");
-
-/// Whether `peer` may name another caller in a stream header.
+/// Whether `peer` may name another caller in a stream header sent to a
+/// gateway.
 pub fn may_speak_for_others(peer: &SpiffeId) -> bool {
-    (peer.namespace(), peer.service_account()) == PROXY_ACCOUNT
+    strait_mesh::names::may_speak_for_others(Carrier::Gateway, peer)
 }
 
 /// One entry of `strait.dev/allowed-identities`.

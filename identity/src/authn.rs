@@ -7,7 +7,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::json;
-use strait_mesh::identity::protocol::{PodRef, TOKEN_AUDIENCE};
+use strait_mesh::identity::protocol::PodRef;
+use strait_mesh::names::TOKEN_AUDIENCE;
 
 /// Extra keys a bound (projected) token's review carries.
 const EXTRA_NODE_NAME: &str = "authentication.kubernetes.io/node-name";

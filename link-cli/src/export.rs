@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
-use strait_mesh::link::EXPORT_LABEL;
+use strait_mesh::names::EXPORT_LABEL;
 
 use crate::link::{client_for, load_kubeconfig};
 

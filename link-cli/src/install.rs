@@ -18,10 +18,8 @@ use kube::{Api, ResourceExt};
 use rustls::pki_types::UnixTime;
 use serde_json::{Value, json};
 use strait_mesh::identity::certs;
-use strait_mesh::link::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link, SYSTEM_NAMESPACE,
-    TRUST_ANCHORS_CONFIGMAP,
-};
+use strait_mesh::link::{Link, TRUST_ANCHORS_CONFIGMAP};
+use strait_mesh::names::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, SYSTEM_NAMESPACE};
 
 use crate::identity::Format;
 use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};

@@ -18,10 +18,8 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use strait_mesh::link::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, Link, LinkSpec, MIRRORED_LABEL,
-    TRUST_ANCHORS_CONFIGMAP,
-};
+use strait_mesh::link::{Link, LinkSpec, TRUST_ANCHORS_CONFIGMAP};
+use strait_mesh::names::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL};
 
 use crate::identity::Format;
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
     InstalledMesh, app_manifests, apply, client_manifests, get_from_app, get_from_client,
-    kubectl_until, web_manifests,
+    kubectl_until, wait_ready, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::stack::metric_sum;
@@ -108,32 +108,8 @@ async fn east_calls_west_through_installed_strait() {
 
     apply(&west, &web_manifests(2)).unwrap();
     apply(&east, &client_manifests()).unwrap();
-    kubectl_until(
-        &west,
-        &[
-            "rollout",
-            "status",
-            "-n",
-            "shop",
-            "deploy/web",
-            "--timeout=10s",
-        ],
-        Duration::from_secs(90),
-    )
-    .unwrap();
-    kubectl_until(
-        &east,
-        &[
-            "rollout",
-            "status",
-            "-n",
-            "shop",
-            "deploy/client",
-            "--timeout=10s",
-        ],
-        Duration::from_secs(90),
-    )
-    .unwrap();
+    wait_ready(&west, "shop", "deploy/web").unwrap();
+    wait_ready(&east, "shop", "deploy/client").unwrap();
     mesh.strait(&[
         "export",
         "svc/web",
@@ -227,19 +203,7 @@ async fn east_calls_west_through_installed_strait() {
     // --transparent): detected as HTTP/2 by its node proxy, carried over the
     // gateway as HTTP/2, answered by a west pod that sees the caller.
     apply(&east, &app_manifests()).unwrap();
-    kubectl_until(
-        &east,
-        &[
-            "wait",
-            "-n",
-            "shop",
-            "pod/app",
-            "--for=condition=Ready",
-            "--timeout=10s",
-        ],
-        Duration::from_secs(90),
-    )
-    .unwrap();
+    wait_ready(&east, "shop", "pod/app").unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     let h2 = loop {
         let out = get_from_app(&east, &format!("{MIRROR_URL}/h2"), true);

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
     self, app_manifests, client_manifests, get_from_app, get_from_client, run_strait,
-    wait_installed, web_manifests,
+    wait_installed, wait_ready, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::{ClusterConfig, ClusterTopology, images, kubectl, kubectl_output};
@@ -220,18 +220,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         );
     }
     kubectl(&kubeconfig, &["apply", "-f", "-"], Some(&app_manifests()));
-    kubectl_until(
-        &kubeconfig,
-        &[
-            "wait",
-            "-n",
-            "shop",
-            "pod/app",
-            "--for=condition=Ready",
-            "--timeout=10s",
-        ],
-        Duration::from_secs(90),
-    );
+    wait_ready(&kubeconfig, "shop", "pod/app").unwrap();
     let captured = app_get_until(&kubeconfig, "http://web.shop.svc.cluster.local/", |b| {
         b.contains("\"pod\":\"web-")
     });
@@ -502,16 +491,5 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
         &["scale", "-n", "shop", "deploy/web", "--replicas=4"],
         None,
     );
-    kubectl_until(
-        &kubeconfig,
-        &[
-            "rollout",
-            "status",
-            "-n",
-            "shop",
-            "deploy/web",
-            "--timeout=10s",
-        ],
-        Duration::from_secs(90),
-    );
+    wait_ready(&kubeconfig, "shop", "deploy/web").unwrap();
 }

@@ -48,8 +48,8 @@ pub use crate::tunnel::Protocol;
 pub use classify::{Detection, H2_PREFACE, MAX_DETECT_BYTES, MAX_METHOD_LEN, classify};
 pub use io::{PrefixedIo, detect};
 pub use opaque_ports::{
-    DEFAULT_OPAQUE_PORTS, EntryProblem, OPAQUE_PORTS_ANNOTATION, OpaqueDecision, OpaquePorts,
-    OpaquePortsError, PortsSource, skip_detection,
+    DEFAULT_OPAQUE_PORTS, EntryProblem, OpaqueDecision, OpaquePorts, OpaquePortsError, PortsSource,
+    skip_detection,
 };
 
 /// How long [`detect`] waits for the client's first bytes by default:

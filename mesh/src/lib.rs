@@ -11,5 +11,6 @@ pub mod discovery;
 pub mod identity;
 pub mod io;
 pub mod link;
+pub mod names;
 pub mod telemetry;
 pub mod tunnel;

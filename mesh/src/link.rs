@@ -9,16 +9,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The export label Strait selects by default.
-pub const EXPORT_LABEL: &str = "strait.dev/exported";
-/// Label on every mirror Service and EndpointSlice.
-pub const MIRRORED_LABEL: &str = "strait.dev/mirrored-service";
-/// Label naming the cluster a mirror comes from.
-pub const CLUSTER_NAME_LABEL: &str = "strait.dev/cluster-name";
-/// Annotation with the remote Service's FQDN.
-pub const REMOTE_FQ_NAME_ANNOTATION: &str = "strait.dev/remote-svc-fq-name";
-/// Annotation on mirror EndpointSlices naming the gateway's identity.
-pub const GATEWAY_IDENTITY_ANNOTATION: &str = "strait.dev/gateway-identity";
+use crate::names::EXPORT_LABEL;
+
 /// Finalizer the mirror controller puts on Links so their mirrors go with them.
 pub const LINK_FINALIZER: &str = "multicluster.strait.dev/mirrors";
 
@@ -161,9 +153,7 @@ pub struct GatewayLatency {
 pub const GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS: u64 = 30;
 /// Name of the Lease the mirror controller renews in its namespace while it runs.
 pub const MIRROR_HEARTBEAT_LEASE: &str = "strait-mirror";
-/// Namespace of Strait's own components (issuer, gateway, node proxies).
-pub const SYSTEM_NAMESPACE: &str = "strait-system";
-/// The ConfigMap (key `ca.crt`) with a cluster's trust anchors, in [`SYSTEM_NAMESPACE`].
+/// The ConfigMap (key `ca.crt`) with a cluster's trust anchors, in [`SYSTEM_NAMESPACE`](crate::names::SYSTEM_NAMESPACE).
 pub const TRUST_ANCHORS_CONFIGMAP: &str = "strait-trust-anchors";
 
 /// Why one remote Service is (not) mirrored.

@@ -7,9 +7,10 @@ use crate::probe::GatewayEndpoint;
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use strait_mesh::link::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, LinkSpec, MIRRORED_LABEL,
-    REMOTE_FQ_NAME_ANNOTATION, is_excluded,
+use strait_mesh::link::{LinkSpec, is_excluded};
+use strait_mesh::names::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, HEADLESS_OWNER_LABEL, MIRRORED_LABEL,
+    REMOTE_FQ_NAME_ANNOTATION,
 };
 
 /// EndpointSlice label naming the controller that manages a slice.
@@ -172,9 +173,6 @@ pub fn mirror_endpoint_slice(
         ports: Some(ports),
     })
 }
-
-/// Label on per-pod mirrors naming the headless mirror they belong to.
-pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
 
 /// A Service without a cluster IP (StatefulSets): mirrored per pod, as Linkerd does.
 pub fn is_headless(remote: &Service) -> bool {

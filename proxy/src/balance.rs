@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::outbound::Endpoint;
+use crate::view::Endpoint;
 
 /// Cost of an endpoint never measured.
 const DEFAULT_RTT: Duration = Duration::from_millis(5);
@@ -170,9 +170,8 @@ mod tests {
     fn endpoint(i: u8) -> Endpoint {
         Endpoint {
             addr: SocketAddr::from(([10, 0, 0, i], 8080)),
-            node_proxy: SocketAddr::from(([10, 1, 0, i], 4143)),
             identity: "spiffe://td/ns/shop/sa/web".parse().unwrap(),
-            remote: None,
+            via: crate::view::Via::NodeProxy(SocketAddr::from(([10, 1, 0, i], 4143))),
         }
     }
 

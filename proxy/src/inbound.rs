@@ -4,7 +4,7 @@
 //! else is refused with a [`TunnelResponse`] that says why, before any byte
 //! reaches a pod.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
 use strait_mesh::io::{ReadAhead, ServerTls as PeerTls};
+use strait_mesh::names::{CLIENT_ID_HEADER, Carrier, may_speak_for_others};
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
@@ -19,24 +20,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::LazyConfigAcceptor;
 
-use crate::Drain;
+use crate::drain::{Drain, serve_connections};
 use crate::identity::{PodIdentities, parse_server_name};
 use crate::metrics::{HttpSeries, ProxyMetrics, TcpLabels};
-
-/// A pod running on this node, as the inbound check needs it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LocalPod {
-    pub namespace: String,
-    pub name: String,
-    pub service_account: String,
-}
-
-/// Answers "does a pod with this IP run on this node?" (the localnode rule).
-pub trait LocalPods: Send + Sync + 'static {
-    fn local_pod(&self, ip: IpAddr) -> Option<LocalPod>;
-    /// A pod on this node running as `namespace/service_account`, if any.
-    fn local_pod_running_as(&self, namespace: &str, service_account: &str) -> Option<LocalPod>;
-}
+use crate::view::{LocalPod, LocalPods};
 
 /// How long a peer may take for the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -57,7 +44,7 @@ impl Inbound {
     /// sooner); opaque tunnels run until their ends close or the drain times out.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
         let draining = drain.clone();
-        crate::serve_connections(listener, drain, "inbound", move |stream, peer| {
+        serve_connections(listener, drain, "inbound", move |stream, peer| {
             let (this, drain) = (self.clone(), draining.clone());
             async move {
                 if let Err(e) = this.handle(stream, peer, drain).await {
@@ -144,7 +131,7 @@ impl Inbound {
         // caller is a misconfiguration or an attack.
         let caller = match &header.source {
             Some(source)
-                if is_gateway(&client)
+                if may_speak_for_others(Carrier::NodeProxy, &client)
                     && client.trust_domain() == self.identities.trust_domain() =>
             {
                 source.clone()
@@ -248,18 +235,6 @@ impl Inbound {
     }
 }
 
-/// The namespace and ServiceAccount of gateways: the only peers whose
-/// `source` claims a node proxy accepts.
-pub const GATEWAY_ACCOUNT: (&str, &str) = ("strait-system", "strait-gateway");
-
-fn is_gateway(peer: &SpiffeId) -> bool {
-    (peer.namespace(), peer.service_account()) == GATEWAY_ACCOUNT
-}
-
-/// Request header naming the caller's SPIFFE ID, set by the node proxy that
-/// delivers the request to the pod (any value the caller sent is replaced).
-pub const CLIENT_ID_HEADER: &str = "strait-client-id";
-
 /// HTTP over one tunnel to one pod connection, in the tunnel's version. One
 /// task drives both connections (no hand-over to another task per request).
 async fn serve_http(
@@ -336,26 +311,16 @@ async fn serve_http(
             Protocol::Http2 => {
                 let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .serve_connection(io, service);
-                let mut connection = std::pin::pin!(connection);
-                tokio::select! {
-                    served = connection.as_mut() => served,
-                    _ = drain.signaled() => {
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
-                    }
-                }
+                drain
+                    .serve(std::pin::pin!(connection), |c| c.graceful_shutdown())
+                    .await
             }
             _ => {
                 let connection =
                     hyper::server::conn::http1::Builder::new().serve_connection(io, service);
-                let mut connection = std::pin::pin!(connection);
-                tokio::select! {
-                    served = connection.as_mut() => served,
-                    _ = drain.signaled() => {
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
-                    }
-                }
+                drain
+                    .serve(std::pin::pin!(connection), |c| c.graceful_shutdown())
+                    .await
             }
         }
     };

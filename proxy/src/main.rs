@@ -17,12 +17,13 @@ use strait_mesh::identity::client::IdentityMetrics;
 use strait_mesh::identity::workload::IdentityArgs;
 use strait_mesh::telemetry::{LogFormat, init_tracing};
 use strait_proxy::discovery::{Discovery, DiscoveryConfig};
+use strait_proxy::drain::Drain;
 use strait_proxy::identity::PodIdentities;
 use strait_proxy::inbound::Inbound;
 use strait_proxy::metrics::ProxyMetrics;
 use strait_proxy::outbound::Outbound;
 use strait_proxy::transparent::Transparent;
-use strait_proxy::{Drain, MeshView};
+use strait_proxy::view::{MeshView, Via};
 
 /// Node proxy (one per node): carries local mesh traffic and traffic to remote gateways.
 #[derive(Debug, Parser)]
@@ -181,7 +182,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     tracing::info!("discovery synced");
     let view = Arc::new(MeshView::new(discovery.clone()));
 
-    let (drain, start_drain) = Drain::new();
+    let (drain, shutdown) = Drain::new();
     let per_core = args.runtime == RuntimeModel::PerCore;
     let addrs = (args.outbound_addr, args.inbound_addr);
     let (outbound_listener, inbound_listener) = bind(addrs, per_core)?;
@@ -317,7 +318,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         }
     }
     readiness.set_ready(false);
-    drain.start_closing();
+    shutdown.start_closing();
     tracing::info!(delay = ?args.shutdown_delay, "shutting down: closing connections after their current response");
     let delay = tokio::time::sleep(args.shutdown_delay);
     if let Some((transparent, chain)) = transparent_mode {
@@ -334,9 +335,8 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         }
     }
     delay.await;
-    let _ = start_drain.send(true);
-    tracing::info!(open = drain.active(), "draining");
-    let left = drain.wait_idle(args.drain_timeout).await;
+    tracing::info!(open = shutdown.open(), "draining");
+    let left = shutdown.drain(args.drain_timeout).await;
     if left > 0 {
         tracing::warn!(
             "{left} connections still open after {:?}; closing them",
@@ -420,8 +420,8 @@ async fn being_uninstalled(client: &kube::Client, namespace: &str) -> bool {
 /// The node proxy's DaemonSet (deploy/proxy/daemonset.yaml).
 const DAEMONSET: &str = "strait-proxy";
 
-/// Forgets the latency statistics and HTTP/2 connections of endpoints that
-/// are gone (bounded memory), on the calling thread's runtime.
+/// Forgets the latency statistics and the pooled connections of endpoints
+/// that are gone (bounded memory), on the calling thread's runtime.
 fn forget_gone(
     outbound: Arc<Outbound>,
     mut updates: tokio::sync::watch::Receiver<Arc<strait_mesh::discovery::Snapshot>>,
@@ -432,7 +432,15 @@ fn forget_gone(
             outbound
                 .balancer
                 .retain(|addr| snapshot.pod(addr.ip()).is_some());
-            outbound.retain_h2(|addr| snapshot.pod(addr.ip()).is_some());
+            outbound.retain_endpoints(|endpoint| match &endpoint.via {
+                // The pod is still there, behind the same node proxy (a
+                // rolled-out proxy has a new address: a new pool).
+                Via::NodeProxy(proxy) => snapshot
+                    .pod(endpoint.addr.ip())
+                    .is_some_and(|pod| snapshot.node_proxy(&pod.node) == Some(*proxy)),
+                // Kept while in use; forgotten once idle.
+                Via::Gateway { .. } => true,
+            });
         }
     });
 }

@@ -12,7 +12,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use strait_mesh::identity::SpiffeId;
 
-use crate::inbound::LocalPod;
+use crate::view::LocalPod;
 
 /// Who talked to whom.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

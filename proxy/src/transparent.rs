@@ -56,10 +56,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::Drain;
-pub use crate::discovery::TRANSPARENT_ANNOTATION;
 use crate::dns::DnsResponder;
+use crate::drain::{Drain, serve_connections};
 use crate::outbound::Outbound;
+pub use strait_mesh::names::TRANSPARENT_ANNOTATION;
 
 /// Where a pod's outbound TCP is redirected, inside its namespace.
 pub const OUTBOUND_PORT: u16 = 15001;
@@ -463,7 +463,7 @@ impl Transparent {
         let dns = tokio::net::UdpSocket::from_std(sockets.dns).map_err(|e| e.to_string())?;
         let outbound = self.outbound.clone();
         let (ns, pod, drain) = (namespace.clone(), name.clone(), self.drain.clone());
-        let tcp_task = tokio::spawn(crate::serve_connections(
+        let tcp_task = tokio::spawn(serve_connections(
             tcp,
             self.drain.clone(),
             "transparent",

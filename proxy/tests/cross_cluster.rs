@@ -330,7 +330,10 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     // The designed worst case: a request on a QUIC connection whose peer
     // vanished waits for the idle timeout, then a fresh QUIC handshake races
     // the TCP fallback, which starts after QUIC's head start
-    // (`GatewayClient::open`): the longer of the two. Anything beyond that,
+    // (`GatewayClient::open`): the longer of the two. On the TCP fallback
+    // (after the gateway-down step a proxy may still be on it) the pooled
+    // HTTP/2 connection is found dead within the same idle timeout and a
+    // new TCP connect follows: shorter. Anything beyond that,
     // plus a second of scheduling, is a hang. (Until stop 15 the two ran one
     // after the other, 10 s; a request that needed a new stream, not a
     // pooled one, hit it: the per-core runtime's per-thread pools made that

@@ -49,6 +49,32 @@ pub fn run_strait(strait: &Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Waits (90 s) until `kubectl wait --for=condition=Ready` succeeds for a
+/// pod (`pod/app`), or `rollout status` for a workload (`deploy/web`), in
+/// `namespace`.
+pub fn wait_ready(kubeconfig: &Path, namespace: &str, target: &str) -> anyhow::Result<String> {
+    let args: Vec<&str> = if target.starts_with("pod/") {
+        vec![
+            "wait",
+            "-n",
+            namespace,
+            target,
+            "--for=condition=Ready",
+            "--timeout=10s",
+        ]
+    } else {
+        vec![
+            "rollout",
+            "status",
+            "-n",
+            namespace,
+            target,
+            "--timeout=10s",
+        ]
+    };
+    kubectl_until(kubeconfig, &args, Duration::from_secs(90))
+}
+
 /// Runs kubectl until it succeeds or `limit` passes; its stdout.
 pub fn kubectl_until(kubeconfig: &Path, args: &[&str], limit: Duration) -> anyhow::Result<String> {
     let deadline = Instant::now() + limit;

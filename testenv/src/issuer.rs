@@ -14,8 +14,8 @@ use kube::{Api, Client};
 use serde_json::json;
 use strait_mesh::identity::ca::PemPair;
 use strait_mesh::identity::client::IssuerClient;
-use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
 use strait_mesh::identity::tls::TrustBundle;
+use strait_mesh::names::TOKEN_AUDIENCE;
 use tokio::io::AsyncWriteExt;
 
 use crate::Cluster;

@@ -26,7 +26,7 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::json;
 use strait_mesh::identity::ca::PemPair;
-use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
+use strait_mesh::names::TOKEN_AUDIENCE;
 
 use crate::issuer::{self, RunningIssuer, http_get};
 use crate::process::{ChildProcess, log_tail};

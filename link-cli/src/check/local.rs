@@ -10,10 +10,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use strait_mesh::identity::certs;
-use strait_mesh::link::{
-    CLUSTER_NAME_LABEL, MIRROR_HEARTBEAT_LEASE, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
-    TRUST_ANCHORS_CONFIGMAP,
-};
+use strait_mesh::link::{MIRROR_HEARTBEAT_LEASE, TRUST_ANCHORS_CONFIGMAP};
+use strait_mesh::names::{CLUSTER_NAME_LABEL, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION};
 
 use super::links::LinkInfo;
 use super::pure::{self, Level, judge_validity};
@@ -22,7 +20,6 @@ use crate::link::LINK_NAMESPACE;
 
 const CRD_NAME: &str = "links.multicluster.strait.dev";
 const CRD_VERSION: &str = "v1alpha1";
-const HEADLESS_PARENT_LABEL: &str = "strait.dev/headless-mirror-svc-name";
 
 pub fn now() -> i64 {
     std::time::SystemTime::now()
@@ -498,7 +495,9 @@ pub async fn orphan_mirrors(client: &Client, links: &[LinkInfo], out: &mut Vec<C
             continue;
         };
         // Per-pod mirrors of headless services follow their parent.
-        if m.labels().contains_key(HEADLESS_PARENT_LABEL) {
+        if m.labels()
+            .contains_key(strait_mesh::names::HEADLESS_OWNER_LABEL)
+        {
             continue;
         }
         let Some(remote) = &link.remote else {

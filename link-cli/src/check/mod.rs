@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::link::{client_for, load_kubeconfig};
 use pure::Level;
 
-pub use strait_mesh::link::SYSTEM_NAMESPACE;
+pub use strait_mesh::names::SYSTEM_NAMESPACE;
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {

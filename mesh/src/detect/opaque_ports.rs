@@ -31,8 +31,7 @@
 use std::fmt;
 use std::ops::RangeInclusive;
 
-/// The annotation, on a Pod, Namespace or Service.
-pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
+use crate::names::OPAQUE_PORTS_ANNOTATION;
 
 /// Linkerd's default opaque ports (since 2.11): SMTP (25, 587), MySQL (3306),
 /// Galera (4444), PostgreSQL (5432), Redis (6379), Elasticsearch transport

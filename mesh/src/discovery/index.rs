@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use crate::identity::SpiffeId;
-use crate::link::{
+use crate::names::{
     CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
 };
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
@@ -17,9 +17,13 @@ use kube::ResourceExt;
 use super::model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
-use crate::detect::{OPAQUE_PORTS_ANNOTATION, OpaquePorts, PortsSource};
+use crate::detect::{OpaquePorts, PortsSource};
 
-use super::names::{TIMEOUT_ANNOTATION, parse_service_host, parse_timeout};
+use super::names::{parse_service_host, parse_timeout};
+use crate::names::{
+    ALLOWED_IDENTITIES_ANNOTATION, Carrier, OPAQUE_PORTS_ANNOTATION, TIMEOUT_ANNOTATION,
+    TRANSPARENT_ANNOTATION,
+};
 
 /// The label tying an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -64,16 +68,6 @@ pub struct Snapshot {
     /// they asked for transparent mode ([`TRANSPARENT_ANNOTATION`]).
     transparent: HashMap<(String, String), bool>,
 }
-
-/// Service annotation: who may call it from linked clusters through the
-/// gateway (comma-separated SPIFFE IDs, `*` matching one path segment or the
-/// trust domain). Unset: any identity under the shared trust anchor.
-pub const ALLOWED_IDENTITIES_ANNOTATION: &str = "strait.dev/allowed-identities";
-
-/// Pod or Namespace annotation: `enabled` puts the pod's traffic through the
-/// node proxy transparently (when the node's CNI plugin enrolls it);
-/// `disabled` on a pod overrides its namespace. Default: disabled.
-pub const TRANSPARENT_ANNOTATION: &str = "strait.dev/transparent";
 
 fn transparent_value(annotations: &BTreeMap<String, String>) -> Option<bool> {
     match annotations.get(TRANSPARENT_ANNOTATION)?.trim() {
@@ -546,10 +540,6 @@ fn annotation_ports(annotations: &BTreeMap<String, String>, on: PortsSource) -> 
     ports
 }
 
-/// The namespace and ServiceAccount of the node proxies (the DaemonSet's
-/// pods; the issuer's node agent).
-pub const NODE_PROXY_ACCOUNT: (&str, &str) = ("strait-system", "strait-proxy");
-
 /// Where each node's proxy takes tunnels: the newest Ready, not terminating
 /// node-proxy pod of the node, at its pod IP (the DaemonSet has no
 /// hostPorts, so during a rollout the old and the new proxy of a node run
@@ -566,8 +556,9 @@ fn node_proxies(nodes: &[Arc<Node>], pods: &[Arc<Pod>], port: u16) -> HashMap<St
         let (Some(spec), Some(status)) = (&pod.spec, &pod.status) else {
             continue;
         };
-        let serving = pod.metadata.namespace.as_deref() == Some(NODE_PROXY_ACCOUNT.0)
-            && spec.service_account_name.as_deref() == Some(NODE_PROXY_ACCOUNT.1)
+        let (namespace, account) = Carrier::NodeProxy.account();
+        let serving = pod.metadata.namespace.as_deref() == Some(namespace)
+            && spec.service_account_name.as_deref() == Some(account)
             && pod.metadata.deletion_timestamp.is_none()
             && status.pod_ip.is_some()
             && status

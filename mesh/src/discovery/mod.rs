@@ -23,10 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use crate::identity::SpiffeId;
-pub use index::{
-    ALLOWED_IDENTITIES_ANNOTATION, IndexConfig, SERVICE_NAME_LABEL, Snapshot,
-    TRANSPARENT_ANNOTATION, pod_info, slice_port,
-};
+pub use index::{IndexConfig, SERVICE_NAME_LABEL, Snapshot, pod_info, slice_port};
 pub use model::{
     Destination, Endpoint, MirrorInfo, PodInfo, PodRef, Route, ServicePortRef, ServiceRef,
 };
@@ -54,7 +51,7 @@ impl DiscoveryConfig {
             cluster_domain: "cluster.local".into(),
             trust_domain: "cluster.local".into(),
             inbound_port: 4143,
-            export_label: (crate::link::EXPORT_LABEL.into(), "true".into()),
+            export_label: (crate::names::EXPORT_LABEL.into(), "true".into()),
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Pure parsing: service host names and the opaque-ports annotation.
 
+use crate::names::TIMEOUT_ANNOTATION;
+
 /// A Service named by a host: `svc.ns`, `svc.ns.svc` or `svc.ns.svc.<cluster domain>`
 /// (any case, an optional trailing dot). Returns `(namespace, name)`.
 ///
@@ -39,10 +41,6 @@ fn is_dns_label(s: &str) -> bool {
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
-
-/// Service annotation: the longest an HTTP request to it may take, retries
-/// included (e.g. `2s`, `500ms`); past it the caller gets a 504.
-pub const TIMEOUT_ANNOTATION: &str = "strait.dev/timeout";
 
 /// Parses a [`TIMEOUT_ANNOTATION`] value; the error says what is wrong.
 pub fn parse_timeout(value: &str) -> Result<std::time::Duration, String> {

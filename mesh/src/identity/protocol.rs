@@ -15,8 +15,6 @@ use super::SpiffeId;
 
 /// Path of the signing endpoint.
 pub const CERTIFICATES_PATH: &str = "/v1/certificates";
-/// The audience a token must carry for the issuer to accept it.
-pub const TOKEN_AUDIENCE: &str = "strait.dev/identity";
 /// Largest request body the issuer reads.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
 

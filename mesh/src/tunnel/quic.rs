@@ -335,7 +335,12 @@ impl GatewayClient {
                     hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
                         .timer(hyper_util::rt::TokioTimer::new())
                         .keep_alive_interval(KEEP_ALIVE)
-                        .keep_alive_timeout(IDLE_TIMEOUT)
+                        // A PING goes out after KEEP_ALIVE without a frame
+                        // and must be answered within the rest of
+                        // IDLE_TIMEOUT: a dead TCP fallback is noticed as
+                        // soon as a dead QUIC connection (IDLE_TIMEOUT
+                        // after the last thing heard), not a keep-alive later.
+                        .keep_alive_timeout(IDLE_TIMEOUT - KEEP_ALIVE)
                         .keep_alive_while_idle(true)
                         .initial_stream_window_size(STREAM_WINDOW)
                         .initial_connection_window_size(CONNECTION_WINDOW)

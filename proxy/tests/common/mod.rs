@@ -14,7 +14,7 @@ use kube::{Api, Client};
 use serde_json::json;
 use std::time::Duration;
 use strait_mesh::identity::ca::{self, PemPair};
-use strait_mesh::identity::protocol::TOKEN_AUDIENCE;
+use strait_mesh::names::TOKEN_AUDIENCE;
 use strait_testenv::issuer::{self, RunningIssuer, http_get, token, workload_token};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::process::{ChildProcess, log_tail};

@@ -1,0 +1,118 @@
+//! Strait's names as Kubernetes and its peers see them, each spelled once:
+//! labels, annotations, Strait's own namespace and accounts, the header the
+//! destination reads, and the one rule on who may name a caller other than
+//! itself.
+
+use crate::identity::SpiffeId;
+
+// ── Labels ──────────────────────────────────────────────────────────────
+
+/// The export label Strait selects by default (`strait.dev/exported=true`).
+pub const EXPORT_LABEL: &str = "strait.dev/exported";
+/// Label on every mirror Service and EndpointSlice.
+pub const MIRRORED_LABEL: &str = "strait.dev/mirrored-service";
+/// Label naming the cluster a mirror comes from.
+pub const CLUSTER_NAME_LABEL: &str = "strait.dev/cluster-name";
+/// Label on per-pod mirrors naming the headless mirror they belong to.
+pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
+
+// ── Annotations ─────────────────────────────────────────────────────────
+
+/// On a mirror: the remote Service's FQDN.
+pub const REMOTE_FQ_NAME_ANNOTATION: &str = "strait.dev/remote-svc-fq-name";
+/// On mirror EndpointSlices: the gateway's identity.
+pub const GATEWAY_IDENTITY_ANNOTATION: &str = "strait.dev/gateway-identity";
+/// Service annotation: who may call it from linked clusters through the
+/// gateway (comma-separated SPIFFE IDs, `*` matching one path segment or the
+/// trust domain). Unset: any identity under the shared trust anchor.
+pub const ALLOWED_IDENTITIES_ANNOTATION: &str = "strait.dev/allowed-identities";
+/// Pod or Namespace annotation: `enabled` puts the pod's traffic through the
+/// node proxy transparently (when the node's CNI plugin enrolls it);
+/// `disabled` on a pod overrides its namespace. Default: disabled.
+pub const TRANSPARENT_ANNOTATION: &str = "strait.dev/transparent";
+/// Service annotation: the longest an HTTP request to it may take, retries
+/// included (e.g. `2s`, `500ms`); past it the caller gets a 504.
+pub const TIMEOUT_ANNOTATION: &str = "strait.dev/timeout";
+/// Pod, Namespace or Service annotation: ports never protocol-detected.
+pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
+
+// ── Strait's own objects and identities ─────────────────────────────────
+
+/// Namespace of Strait's own components (issuer, gateway, node proxies).
+pub const SYSTEM_NAMESPACE: &str = "strait-system";
+/// The node proxies' DaemonSet.
+pub const NODE_PROXY_DAEMONSET: &str = "strait-proxy";
+/// The audience a token must carry for the issuer to accept it.
+pub const TOKEN_AUDIENCE: &str = "strait.dev/identity";
+/// Request header naming the caller's SPIFFE ID, set by the node proxy that
+/// delivers the request to the pod (any value the caller sent is replaced).
+pub const CLIENT_ID_HEADER: &str = "strait-client-id";
+
+/// A Strait component that carries other workloads' traffic, known by the
+/// namespace and ServiceAccount of its identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carrier {
+    /// The node proxies (the DaemonSet's pods; the issuer's node agent).
+    NodeProxy,
+    /// The gateways of linked clusters.
+    Gateway,
+}
+
+impl Carrier {
+    /// The (namespace, ServiceAccount) its pods run as.
+    pub const fn account(self) -> (&'static str, &'static str) {
+        match self {
+            Carrier::NodeProxy => (SYSTEM_NAMESPACE, "strait-proxy"),
+            Carrier::Gateway => (SYSTEM_NAMESPACE, "strait-gateway"),
+        }
+    }
+
+    /// Which carrier `id` is, if any (any trust domain: the trust anchor
+    /// has already vouched for it).
+    pub fn of(id: &SpiffeId) -> Option<Self> {
+        [Carrier::NodeProxy, Carrier::Gateway]
+            .into_iter()
+            .find(|c| (id.namespace(), id.service_account()) == c.account())
+    }
+}
+
+/// Whether `peer`, talking to a `receiver`, may name another caller (a
+/// tunnel header's `source`): a node proxy speaks for its node's pods to a
+/// gateway, and a gateway for remote callers to a node proxy. No one else,
+/// and never a carrier to one of its own kind.
+pub fn may_speak_for_others(receiver: Carrier, peer: &SpiffeId) -> bool {
+    matches!(
+        (receiver, Carrier::of(peer)),
+        (Carrier::Gateway, Some(Carrier::NodeProxy)) | (Carrier::NodeProxy, Some(Carrier::Gateway))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(ns: &str, sa: &str) -> SpiffeId {
+        SpiffeId::new("cluster.local", ns, sa).unwrap()
+    }
+
+    #[test]
+    fn node_proxies_speak_to_gateways_and_gateways_to_node_proxies_only() {
+        let proxy = id("strait-system", "strait-proxy");
+        let gateway = id("strait-system", "strait-gateway");
+        assert!(may_speak_for_others(Carrier::Gateway, &proxy));
+        assert!(may_speak_for_others(Carrier::NodeProxy, &gateway));
+        assert!(!may_speak_for_others(Carrier::Gateway, &gateway));
+        assert!(!may_speak_for_others(Carrier::NodeProxy, &proxy));
+        for other in [
+            id("shop", "strait-proxy"),
+            id("strait-system", "default"),
+            id("strait-system", "strait-issuer"),
+            id("shop", "web"),
+        ] {
+            assert!(!may_speak_for_others(Carrier::Gateway, &other), "{other}");
+            assert!(!may_speak_for_others(Carrier::NodeProxy, &other), "{other}");
+        }
+        let elsewhere = SpiffeId::new("west.local", "strait-system", "strait-proxy").unwrap();
+        assert_eq!(Carrier::of(&elsewhere), Some(Carrier::NodeProxy));
+    }
+}

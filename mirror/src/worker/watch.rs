@@ -1,0 +1,202 @@
+//! Watch: the remote cluster (a client from the Link's credentials, and
+//! reflector stores of its exported Services and their EndpointSlices) and
+//! the Link's gateway (its addresses, resolved and probed).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use strait_mesh::link::Link;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinSet;
+
+use crate::config::MirrorConfig;
+use crate::mirror::SERVICE_NAME_LABEL;
+use crate::probe::{GatewayEndpoint, GatewayProbe, ProbeSettings};
+use crate::status::StatusReporter;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error(
+        "Secret {namespace}/{name} not found: create it with `strait link … | kubectl apply -f -`"
+    )]
+    Missing { namespace: String, name: String },
+    #[error("Secret {namespace}/{name} has no `kubeconfig` key")]
+    NoKubeconfig { namespace: String, name: String },
+    #[error("Secret {namespace}/{name}: kubeconfig is not valid: {message}")]
+    Invalid {
+        namespace: String,
+        name: String,
+        message: String,
+    },
+    #[error("reading Secret {namespace}/{name}: {source}")]
+    Read {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+}
+
+/// Builds a client for the remote cluster from the Link's credentials Secret.
+pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, CredentialsError> {
+    let namespace = link.namespace().unwrap_or_default();
+    let name = link.spec.cluster_credentials_secret.clone();
+    let secret = Api::<Secret>::namespaced(local.clone(), &namespace)
+        .get_opt(&name)
+        .await
+        .map_err(|source| CredentialsError::Read {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            source,
+        })?
+        .ok_or_else(|| CredentialsError::Missing {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        })?;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get("kubeconfig"))
+        .map(|b| b.0.clone())
+        .ok_or_else(|| CredentialsError::NoKubeconfig {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        })?;
+    let invalid = |message: String| CredentialsError::Invalid {
+        namespace: namespace.clone(),
+        name: name.clone(),
+        message,
+    };
+    let text = String::from_utf8(bytes).map_err(|e| invalid(e.to_string()))?;
+    let kubeconfig =
+        kube::config::Kubeconfig::from_yaml(&text).map_err(|e| invalid(e.to_string()))?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .map_err(|e| invalid(e.to_string()))?;
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(330));
+    Client::try_from(config).map_err(|e| invalid(e.to_string()))
+}
+
+/// The Link's gateway addresses and whether each is alive (`None` until first known).
+pub(super) type GatewayWatch = watch::Receiver<Option<Vec<GatewayEndpoint>>>;
+
+/// Starts resolving and probing the Link's gateway, in `tasks`.
+pub(super) fn gateways(
+    link: &Link,
+    status: &StatusReporter,
+    config: &MirrorConfig,
+    key: &str,
+    tasks: &mut JoinSet<()>,
+) -> GatewayWatch {
+    let resolver = match crate::resolve::resolver(&config.dns) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(link = %key, "{e}; gateway hostnames cannot be resolved");
+            None
+        }
+    };
+    let (addr_tx, addr_rx) = watch::channel(None);
+    let (gw_tx, gw_rx) = watch::channel(None);
+    let probe = GatewayProbe {
+        link: key.to_string(),
+        settings: ProbeSettings::from_spec(&link.spec.probe, link.spec.gateway_port),
+        gateway_identity: link.spec.gateway_identity.clone(),
+        identity: config.identity.clone(),
+        metrics: config.metrics.clone(),
+        status: status.clone(),
+    };
+    tasks.spawn(crate::resolve::keep_resolved(
+        resolver,
+        link.spec.gateway_addresses.clone(),
+        addr_tx,
+    ));
+    tasks.spawn(probe.run(addr_rx, gw_tx));
+    gw_rx
+}
+
+/// Reflector stores of the remote's exported Services and their slices,
+/// kept by two watches that retry by themselves (with backoff).
+pub(super) struct RemoteWatch {
+    pub services: Store<Service>,
+    pub slices: Store<EndpointSlice>,
+    /// Woken on every change to either store.
+    pub changed: Arc<Notify>,
+    /// Each watch event's outcome: whether the remote API answers.
+    pub health: mpsc::Receiver<Result<(), String>>,
+    _tasks: JoinSet<()>,
+}
+
+impl RemoteWatch {
+    /// Watches Services matching `selector`, and every slice that belongs
+    /// to a Service (filtered to exported ones when diffing).
+    pub fn start(remote: &Client, selector: &str) -> Self {
+        let (services, svc_writer) = reflector::store::<Service>();
+        let (slices, slice_writer) = reflector::store::<EndpointSlice>();
+        // Managed fields are never mirrored; dropping them roughly halves what
+        // the stores hold (10,000 exported services).
+        let service_events = watcher(
+            Api::<Service>::all(remote.clone()),
+            watcher::Config::default().labels(selector),
+        )
+        .modify(|s| {
+            s.metadata.managed_fields = None;
+            if let Some(a) = s.metadata.annotations.as_mut() {
+                a.remove("kubectl.kubernetes.io/last-applied-configuration");
+            }
+        });
+        let slice_events = watcher(
+            Api::<EndpointSlice>::all(remote.clone()),
+            watcher::Config::default().labels(SERVICE_NAME_LABEL),
+        )
+        .modify(|s| s.metadata.managed_fields = None);
+        let changed = Arc::new(Notify::new());
+        let (health_tx, health) = mpsc::channel(16);
+        let mut tasks = JoinSet::new();
+        let mut follow =
+            |stream: futures::stream::BoxStream<'static, Result<(), watcher::Error>>| {
+                let (changed, health) = (changed.clone(), health_tx.clone());
+                tasks.spawn(async move {
+                    let mut stream = stream;
+                    while let Some(item) = stream.next().await {
+                        let _ = health.try_send(item.map_err(|e| e.to_string()));
+                        changed.notify_one();
+                    }
+                });
+            };
+        follow(
+            reflector::reflector(svc_writer, service_events)
+                .default_backoff()
+                .map(|r| r.map(|_| ()))
+                .boxed(),
+        );
+        follow(
+            reflector::reflector(slice_writer, slice_events)
+                .default_backoff()
+                .map(|r| r.map(|_| ()))
+                .boxed(),
+        );
+        Self {
+            services,
+            slices,
+            changed,
+            health,
+            _tasks: tasks,
+        }
+    }
+
+    /// Resolves once both stores hold a first full list (borrows nothing,
+    /// so the health channel can be read meanwhile).
+    pub fn listed(&self) -> impl Future<Output = ()> + use<> {
+        let (services, slices) = (self.services.clone(), self.slices.clone());
+        async move {
+            services.wait_until_ready().await.ok();
+            slices.wait_until_ready().await.ok();
+        }
+    }
+}

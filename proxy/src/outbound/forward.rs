@@ -1,0 +1,367 @@
+//! One HTTP request to a destination: an endpoint picked per request by the
+//! balancer, sent over a pooled tunnel in the version the client spoke
+//! (HTTP/2 stays HTTP/2 end to end: gRPC), retried elsewhere when it is safe
+//! and the destination's retry budget allows, all within the destination's
+//! timeout.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::CaptureConnection;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use strait_mesh::tunnel::Protocol;
+
+use super::pool::{EndpointConnector, FallbackTcp};
+use super::{Body, Caller, Outbound, POOL_IDLE_TIMEOUT, empty_body, text};
+use crate::retry::{BudgetConfig, RetryBudget};
+use crate::view::{Endpoint, Resolved};
+
+/// Attempts per request, the first included.
+const MAX_ATTEMPTS: u32 = 3;
+/// Answers that mean "this endpoint could not serve it; another may".
+const RETRYABLE_STATUSES: [StatusCode; 3] = [
+    StatusCode::BAD_GATEWAY,
+    StatusCode::SERVICE_UNAVAILABLE,
+    StatusCode::GATEWAY_TIMEOUT,
+];
+
+/// Why a request got no response, and whether it never left (safe to send
+/// to another endpoint).
+#[derive(Debug)]
+struct SendError {
+    connect: bool,
+    message: String,
+}
+
+impl SendError {
+    fn connect(e: impl std::fmt::Display) -> Self {
+        Self {
+            connect: true,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<hyper_util::client::legacy::Error> for SendError {
+    fn from(e: hyper_util::client::legacy::Error) -> Self {
+        let message =
+            std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
+        Self {
+            connect: e.is_connect(),
+            message,
+        }
+    }
+}
+
+fn is_idempotent(method: &http::Method) -> bool {
+    use http::Method;
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::PUT,
+        Method::DELETE,
+        Method::TRACE,
+    ]
+    .contains(method)
+}
+
+/// Whether an attempt may be sent again to another endpoint: only a
+/// replayable request (idempotent, no body), and only if it never reached a
+/// pod or the answer says the endpoint could not serve it.
+fn retryable(replayable: bool, outcome: Result<StatusCode, &SendError>) -> bool {
+    replayable
+        && match outcome {
+            Ok(status) => RETRYABLE_STATUSES.contains(&status),
+            Err(e) => e.connect,
+        }
+}
+
+impl Outbound {
+    /// [`Self::forward`] within the destination's timeout (`strait.dev/timeout`).
+    pub(super) async fn forward_within(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        resolved: Resolved,
+        destination: &str,
+    ) -> Response<Body> {
+        let forward = self.forward(req, caller, resolved.endpoints, destination);
+        match resolved.timeout {
+            None => forward.await,
+            Some(limit) => match tokio::time::timeout(limit, forward).await {
+                Ok(response) => response,
+                Err(_) => text(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!(
+                        "{destination} did not answer within its timeout of {limit:?} (strait.dev/timeout)"
+                    ),
+                ),
+            },
+        }
+    }
+
+    /// An HTTP request (absolute-form HTTP/1 from the HTTP proxy, or any
+    /// HTTP/1 or HTTP/2 request in transparent mode): pick an endpoint for
+    /// this request and send it over a pooled tunnel there. A retryable
+    /// failure is sent again to another endpoint while the destination's
+    /// retry budget allows.
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        endpoints: Vec<Endpoint>,
+        destination: &str,
+    ) -> Response<Body> {
+        let (mut parts, body) = req.into_parts();
+        let http2 = parts.version == http::Version::HTTP_2;
+        crate::hop::strip(&mut parts.headers);
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        // Only a request without a body can be sent twice (nothing to buffer).
+        let replayable = hyper::body::Body::is_end_stream(&body) && is_idempotent(&parts.method);
+        let mut body = Some(body.boxed());
+        let budget = self.budget_for(destination);
+        budget.deposit(Instant::now());
+        let source = caller.identity.id();
+        let mut tried: Vec<SocketAddr> = Vec::new();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            // A retry goes elsewhere if it can.
+            let candidates: Vec<Endpoint> = if tried.is_empty() {
+                Vec::new()
+            } else {
+                endpoints
+                    .iter()
+                    .filter(|e| !tried.contains(&e.addr))
+                    .cloned()
+                    .collect()
+            };
+            let Some(endpoint) = self.balancer.pick(if candidates.is_empty() {
+                &endpoints
+            } else {
+                &candidates
+            }) else {
+                return text(StatusCode::SERVICE_UNAVAILABLE, "no ready endpoint".into());
+            };
+            tried.push(endpoint.addr);
+            let series = self.metrics.outbound_http(&source, &endpoint.identity);
+            // HTTP/2 keeps the client's URI (it carries `:authority`); HTTP/1
+            // is sent in origin form to the endpoint's own pool (the Host
+            // header still names the service).
+            let uri = if http2 && parts.uri.authority().is_some() {
+                parts.uri.clone()
+            } else {
+                match Uri::builder()
+                    .scheme("http")
+                    .authority(endpoint.addr.to_string())
+                    .path_and_query(path.as_str())
+                    .build()
+                {
+                    Ok(u) => u,
+                    Err(e) => {
+                        return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}"));
+                    }
+                }
+            };
+            let mut request = Request::new(body.take().unwrap_or_else(empty_body));
+            *request.method_mut() = parts.method.clone();
+            *request.uri_mut() = uri;
+            *request.version_mut() = parts.version;
+            // Only a replayable request can be sent again: keep its headers.
+            *request.headers_mut() = if replayable {
+                parts.headers.clone()
+            } else {
+                std::mem::take(&mut parts.headers)
+            };
+            series.request();
+            let started = Instant::now();
+            let guard = self.balancer.start(&endpoint);
+            let result = if http2 {
+                self.send_h2(&caller, &endpoint, request).await
+            } else {
+                self.send_h1(&caller, &endpoint, request).await
+            };
+            let elapsed = started.elapsed();
+            let retry = retryable(replayable, result.as_ref().map(|r| r.status()));
+            guard.finish(elapsed, !retry && result.is_ok());
+            series.response(
+                result.as_ref().ok().map(|r| r.status()),
+                elapsed.as_secs_f64(),
+            );
+            if retry && attempt < MAX_ATTEMPTS {
+                if budget.withdraw(Instant::now()) {
+                    series.retry();
+                    tracing::debug!(endpoint = %endpoint.addr, attempt, "retrying on another endpoint");
+                    continue;
+                }
+                series.budget_exhausted();
+            }
+            return match result {
+                Ok(mut response) => {
+                    crate::hop::strip(response.headers_mut());
+                    response.map(|b| b.boxed())
+                }
+                Err(e) => {
+                    tracing::info!(endpoint = %endpoint.addr, attempt, error = %e.message, "request failed: 502");
+                    text(
+                        StatusCode::BAD_GATEWAY,
+                        format!("to {}: {}", endpoint.addr, e.message),
+                    )
+                }
+            };
+        }
+    }
+
+    /// Sends an HTTP/1 request over the caller's pool for the endpoint.
+    async fn send_h1(
+        &self,
+        caller: &Caller,
+        endpoint: &Endpoint,
+        mut request: Request<Body>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let client = self.http1.get_or_insert(
+            &Self::pool_key(caller, endpoint),
+            |_| true,
+            || {
+                let connector = EndpointConnector {
+                    source: caller.identity.clone(),
+                    endpoint: endpoint.clone(),
+                    opener: self.opener.clone(),
+                };
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                    .pool_max_idle_per_host(1024)
+                    .build(connector)
+            },
+        );
+        // Only a gateway's connection may be a TCP fallback to retire.
+        let captured = endpoint
+            .is_remote()
+            .then(|| hyper_util::client::legacy::connect::capture_connection(&mut request));
+        let result = client.request(request).await.map_err(SendError::from);
+        if let Some(captured) = captured {
+            self.retire_fallback(endpoint, &captured);
+        }
+        result
+    }
+
+    /// A pooled TCP fallback stream to a gateway is not reused once QUIC
+    /// works again (asking also starts the background QUIC attempt).
+    fn retire_fallback(&self, endpoint: &Endpoint, captured: &CaptureConnection) {
+        let Some(gateways) = &self.opener.gateways else {
+            return;
+        };
+        let metadata = captured.connection_metadata();
+        let Some(connected) = metadata.as_ref() else {
+            return;
+        };
+        let mut extras = http::Extensions::new();
+        connected.get_extras(&mut extras);
+        if extras.get::<FallbackTcp>().is_some()
+            && gateways.prefers_quic(endpoint.addr, &endpoint.identity)
+        {
+            connected.poison();
+        }
+    }
+
+    /// Sends an HTTP/2 request over the caller's multiplexed tunnel to the
+    /// endpoint, opening it (or replacing a closed one) first.
+    async fn send_h2(
+        &self,
+        caller: &Caller,
+        endpoint: &Endpoint,
+        request: Request<Body>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let key = Self::pool_key(caller, endpoint);
+        let mut sender = match self.http2.get(&key, |s| !s.is_closed()) {
+            Some(sender) => sender,
+            None => {
+                let tunnel = self
+                    .opener
+                    .open(&caller.identity, endpoint, Protocol::Http2)
+                    .await
+                    .map_err(SendError::connect)?;
+                let (sender, connection) =
+                    hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+                        .handshake(TokioIo::new(tunnel))
+                        .await
+                        .map_err(SendError::connect)?;
+                let pod = endpoint.addr;
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(%pod, "HTTP/2 tunnel: {e}");
+                    }
+                });
+                self.http2.insert(key, sender.clone());
+                sender
+            }
+        };
+        sender.ready().await.map_err(SendError::connect)?;
+        sender.send_request(request).await.map_err(|e| SendError {
+            connect: false,
+            message: e.to_string(),
+        })
+    }
+
+    fn budget_for(&self, destination: &str) -> Arc<RetryBudget> {
+        let mut budgets = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(budget) = budgets.get(destination) {
+            return budget.clone();
+        }
+        budgets
+            .entry(destination.to_string())
+            .or_insert_with(|| Arc::new(RetryBudget::new(BudgetConfig::default())))
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_replayable_requests_that_never_arrived_or_were_refused_are_retried() {
+        let never_sent = SendError::connect("connection refused");
+        let lost = SendError {
+            connect: false,
+            message: "connection reset mid-response".into(),
+        };
+        assert!(retryable(true, Err(&never_sent)));
+        assert!(
+            !retryable(false, Err(&never_sent)),
+            "a body or a POST is never resent"
+        );
+        assert!(!retryable(true, Err(&lost)), "it may have reached the pod");
+        for status in RETRYABLE_STATUSES {
+            assert!(retryable(true, Ok(status)));
+            assert!(!retryable(false, Ok(status)));
+        }
+        for status in [
+            StatusCode::OK,
+            StatusCode::NOT_FOUND,
+            StatusCode::INTERNAL_SERVER_ERROR,
+        ] {
+            assert!(!retryable(true, Ok(status)), "{status} is the pod's answer");
+        }
+    }
+
+    #[test]
+    fn idempotent_methods_are_the_ones_rfc_9110_names() {
+        for method in ["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"] {
+            assert!(is_idempotent(&method.parse().unwrap()), "{method}");
+        }
+        for method in ["POST", "PATCH", "CONNECT"] {
+            assert!(!is_idempotent(&method.parse().unwrap()), "{method}");
+        }
+    }
+}

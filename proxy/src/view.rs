@@ -1,0 +1,194 @@
+//! What the proxy asks of discovery: the pods on this node ([`LocalPods`],
+//! for the inbound check and for naming a caller), and where a destination
+//! can be reached ([`Destinations`], as typed [`Endpoint`]s the outbound side
+//! balances over and pools by). [`MeshView`] answers both from a
+//! [`Discovery`](crate::discovery::Discovery) snapshot.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use strait_mesh::identity::SpiffeId;
+
+use crate::discovery;
+
+/// A pod running on this node, as the inbound check needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalPod {
+    pub namespace: String,
+    pub name: String,
+    pub service_account: String,
+}
+
+/// Answers "does a pod with this IP run on this node?" (the localnode rule).
+pub trait LocalPods: Send + Sync + 'static {
+    fn local_pod(&self, ip: IpAddr) -> Option<LocalPod>;
+    /// A pod on this node running as `namespace/service_account`, if any.
+    fn local_pod_running_as(&self, namespace: &str, service_account: &str) -> Option<LocalPod>;
+}
+
+/// One place a destination can be reached, and the identity that must
+/// answer there.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// The pod's address; for a mirror, the remote cluster's gateway.
+    pub addr: SocketAddr,
+    /// The pod's identity; for a mirror, the gateway's.
+    pub identity: SpiffeId,
+    pub via: Via,
+}
+
+/// How a tunnel reaches an [`Endpoint`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Via {
+    /// A pod of this cluster, through the inbound port of its node's proxy.
+    NodeProxy(SocketAddr),
+    /// A mirror: the stream to the gateway names this Service there
+    /// (`<svc>.<ns>.svc.<domain>` of the remote cluster, and its port).
+    Gateway { service: String, port: u16 },
+}
+
+impl Endpoint {
+    pub fn is_remote(&self) -> bool {
+        matches!(self.via, Via::Gateway { .. })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{0} is not a known service: use <service>.<namespace>[.svc.<cluster-domain>]")]
+    UnknownHost(String),
+    #[error("service {0} has no ready endpoints")]
+    NoEndpoints(String),
+}
+
+/// A destination as the outbound side uses it.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub endpoints: Vec<Endpoint>,
+    /// Never protocol-detect connections to it (`strait.dev/opaque-ports`).
+    pub opaque: bool,
+    /// The whole request's deadline, retries included (`strait.dev/timeout`).
+    pub timeout: Option<Duration>,
+}
+
+/// What the outbound side needs from discovery.
+pub trait Destinations: LocalPods {
+    /// The ready endpoints of `host:port` (a service name or a ClusterIP).
+    fn resolve(&self, host: &str, port: u16) -> Result<Resolved, ResolveError>;
+    /// The pod `namespace/name` if it runs on this node (a pod enrolled in
+    /// transparent mode is known by name, not by source address).
+    fn local_pod_named(&self, namespace: &str, name: &str) -> Option<LocalPod>;
+    /// Whether the pod `namespace/name` scheduled to this node asked for
+    /// transparent mode; `None` when no such pod is scheduled here.
+    fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool>;
+}
+
+/// Discovery as the inbound and outbound sides ask it.
+pub struct MeshView {
+    discovery: discovery::Discovery,
+}
+
+impl MeshView {
+    pub fn new(discovery: discovery::Discovery) -> Self {
+        Self { discovery }
+    }
+}
+
+fn local(pod: &discovery::PodInfo) -> LocalPod {
+    LocalPod {
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+        service_account: pod.service_account.clone(),
+    }
+}
+
+/// The endpoints the outbound side may use for a destination: pods behind
+/// their node proxies, and for a mirror its remote gateways (the stream
+/// names the remote Service; the mirror's port is the remote one).
+/// Hand-written endpoints outside the mesh are not carried.
+fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
+    destination
+        .endpoints
+        .iter()
+        .filter_map(|e| match &e.route {
+            discovery::Route::NodeProxy {
+                proxy, identity, ..
+            } => Some(Endpoint {
+                addr: e.addr,
+                identity: identity.clone(),
+                via: Via::NodeProxy(*proxy),
+            }),
+            discovery::Route::Gateway { gateway, identity } => {
+                let mirror = destination.mirror.as_ref()?;
+                (!mirror.remote_fq_name.is_empty()).then(|| Endpoint {
+                    addr: *gateway,
+                    identity: identity.clone(),
+                    via: Via::Gateway {
+                        service: mirror.remote_fq_name.clone(),
+                        port: destination.port.port,
+                    },
+                })
+            }
+            discovery::Route::Direct => None,
+        })
+        .collect()
+}
+
+impl LocalPods for MeshView {
+    fn local_pod(&self, ip: IpAddr) -> Option<LocalPod> {
+        self.discovery.local_pod(ip).map(|p| local(&p))
+    }
+
+    fn local_pod_running_as(&self, namespace: &str, service_account: &str) -> Option<LocalPod> {
+        self.discovery
+            .snapshot()
+            .local_pods()
+            .find(|p| p.namespace == namespace && p.service_account == service_account)
+            .map(|p| local(p))
+    }
+}
+
+impl Destinations for MeshView {
+    fn resolve(&self, host: &str, port: u16) -> Result<Resolved, ResolveError> {
+        let destination = match host.parse::<IpAddr>() {
+            Ok(ip) => self.discovery.resolve_addr(SocketAddr::new(ip, port)),
+            Err(_) => self.discovery.resolve_name(host, port),
+        }
+        .ok_or_else(|| ResolveError::UnknownHost(format!("{host}:{port}")))?;
+        let endpoints = endpoints_of(&destination);
+        if endpoints.is_empty() {
+            return Err(ResolveError::NoEndpoints(format!("{host}:{port}")));
+        }
+        Ok(Resolved {
+            endpoints,
+            opaque: destination.opaque,
+            timeout: destination.timeout,
+        })
+    }
+
+    fn transparent_wanted(&self, namespace: &str, name: &str) -> Option<bool> {
+        self.discovery
+            .snapshot()
+            .transparent_wanted(namespace, name)
+    }
+
+    fn local_pod_named(&self, namespace: &str, name: &str) -> Option<LocalPod> {
+        self.discovery
+            .snapshot()
+            .local_pod_named(namespace, name)
+            .map(|p| local(&p))
+    }
+}
+
+impl crate::dns::ServiceNames for MeshView {
+    fn lookup(&self, host: &str) -> Option<Vec<IpAddr>> {
+        self.discovery
+            .snapshot()
+            .dns_lookup(host)
+            .map(<[IpAddr]>::to_vec)
+    }
+
+    fn cluster_domain(&self) -> String {
+        self.discovery.snapshot().cluster_domain().to_string()
+    }
+}
