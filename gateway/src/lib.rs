@@ -5,4 +5,5 @@
 #![forbid(unsafe_code)]
 
 pub mod policy;
+pub mod refusal;
 pub mod server;

@@ -20,6 +20,19 @@ pub fn may_speak_for_others(peer: &SpiffeId) -> bool {
     strait_mesh::names::may_speak_for_others(Carrier::Gateway, peer)
 }
 
+/// An entry of `strait.dev/allowed-identities` that is not a pattern.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PatternError {
+    #[error(
+        "{0:?} is not a SPIFFE ID pattern: write spiffe://<trust domain>/ns/<ns>/sa/<sa> (`*` for any one part)"
+    )]
+    NotSpiffe(String),
+    #[error("{0:?} has no path: write spiffe://<trust domain>/ns/<ns>/sa/<sa>")]
+    NoPath(String),
+    #[error("{0:?} has an empty part")]
+    EmptyPart(String),
+}
+
 /// One entry of `strait.dev/allowed-identities`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentityPattern {
@@ -29,16 +42,18 @@ pub struct IdentityPattern {
 }
 
 impl IdentityPattern {
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let rest = text.trim().strip_prefix("spiffe://").ok_or_else(|| {
-            format!("{text:?} is not a SPIFFE ID pattern: write spiffe://<trust domain>/ns/<ns>/sa/<sa> (`*` for any one part)")
-        })?;
-        let (domain, path) = rest.split_once('/').ok_or_else(|| {
-            format!("{text:?} has no path: write spiffe://<trust domain>/ns/<ns>/sa/<sa>")
-        })?;
+    pub fn parse(text: &str) -> Result<Self, PatternError> {
+        let pattern = || text.to_string();
+        let rest = text
+            .trim()
+            .strip_prefix("spiffe://")
+            .ok_or_else(|| PatternError::NotSpiffe(pattern()))?;
+        let (domain, path) = rest
+            .split_once('/')
+            .ok_or_else(|| PatternError::NoPath(pattern()))?;
         let segments: Vec<String> = path.split('/').map(str::to_string).collect();
         if domain.is_empty() || segments.iter().any(String::is_empty) {
-            return Err(format!("{text:?} has an empty part"));
+            return Err(PatternError::EmptyPart(pattern()));
         }
         Ok(Self {
             trust_domain: domain.to_string(),
@@ -65,7 +80,7 @@ impl IdentityPattern {
 /// Parses an `allowed-identities` value; bad entries are reported and left
 /// out (a typo must not open the Service to everyone: with bad entries only,
 /// nobody matches).
-pub fn parse_allowed(value: &str) -> (Vec<IdentityPattern>, Vec<String>) {
+pub fn parse_allowed(value: &str) -> (Vec<IdentityPattern>, Vec<PatternError>) {
     let mut patterns = Vec::new();
     let mut errors = Vec::new();
     for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {

@@ -26,6 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::policy;
+use crate::refusal::{Refusal, Revoked, ServiceName};
 
 /// How long a TCP + TLS handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -379,10 +380,10 @@ impl Gateway {
                     }
                 }
             }
-            Err((status, reason, message)) => {
-                self.deny(header.source.as_ref().unwrap_or(&peer), reason);
-                tracing::info!(%peer, source = ?header.source.as_ref().map(ToString::to_string), "refused: {message}");
-                let _ = TunnelResponse::refused(status, message)
+            Err(refusal) => {
+                self.deny(header.source.as_ref().unwrap_or(&peer), refusal.reason());
+                tracing::info!(%peer, source = ?header.source.as_ref().map(ToString::to_string), "refused: {refusal}");
+                let _ = TunnelResponse::refused(refusal.status(), refusal.to_string())
                     .write_to(&mut stream)
                     .await;
                 let _ = stream.shutdown().await;
@@ -391,7 +392,7 @@ impl Gateway {
     }
 
     /// Resolves once `caller` may no longer use the Service `header` names.
-    async fn revoked(&self, caller: &SpiffeId, header: &TunnelHeader) -> String {
+    async fn revoked(&self, caller: &SpiffeId, header: &TunnelHeader) -> Revoked {
         let Target::Service { fqdn, port } = &header.target else {
             return std::future::pending().await;
         };
@@ -401,16 +402,15 @@ impl Gateway {
                 return std::future::pending().await;
             }
             let snapshot = updates.borrow_and_update().clone();
-            match snapshot.resolve_name(fqdn.as_str(), *port) {
-                None => return format!("Service {} is gone", fqdn.as_str()),
-                Some(d) if !d.exported => {
-                    return format!("Service {} is no longer exported", fqdn.as_str());
-                }
+            let fqdn = fqdn.as_str().to_string();
+            match snapshot.resolve_name(&fqdn, *port) {
+                None => return Revoked::Gone { fqdn },
+                Some(d) if !d.exported => return Revoked::NotExported { fqdn },
                 Some(d) if !policy::allowed(caller, d.allowed_identities.as_deref()) => {
-                    return format!(
-                        "{caller} is no longer allowed to call {} (strait.dev/allowed-identities)",
-                        fqdn.as_str()
-                    );
+                    return Revoked::NotAllowed {
+                        caller: caller.clone(),
+                        fqdn,
+                    };
                 }
                 Some(_) => {}
             }
@@ -433,61 +433,43 @@ impl Gateway {
         &self,
         header: &TunnelHeader,
         peer: &SpiffeId,
-    ) -> Result<(strait_mesh::io::ClientTls, StreamLabels), (ResponseStatus, &'static str, String)>
-    {
+    ) -> Result<(strait_mesh::io::ClientTls, StreamLabels), Refusal> {
         let caller = match &header.source {
             Some(source) if policy::may_speak_for_others(peer) => source.clone(),
             Some(source) => {
-                return Err((
-                    ResponseStatus::Denied,
-                    "source-claim",
-                    format!("{peer} may not speak for {source}: only node proxies may"),
-                ));
+                return Err(Refusal::SourceClaim {
+                    peer: peer.clone(),
+                    claimed: source.clone(),
+                });
             }
             None => peer.clone(),
         };
         let Target::Service { fqdn, port } = &header.target else {
-            return Err((
-                ResponseStatus::NotFound,
-                "not-a-service",
-                "a gateway delivers to exported Services by name, not to pods".into(),
-            ));
+            return Err(Refusal::NotAService);
         };
         let Some(destination) = self.discovery.resolve_name(fqdn.as_str(), *port) else {
-            return Err((
-                ResponseStatus::NotFound,
-                "unknown-service",
-                format!(
-                    "no Service {}:{port} in cluster {}",
-                    fqdn.as_str(),
-                    self.cluster
-                ),
-            ));
+            return Err(Refusal::UnknownService {
+                fqdn: fqdn.as_str().into(),
+                port: *port,
+                cluster: self.cluster.clone(),
+            });
         };
-        let service: (String, String) = destination
+        let service = destination
             .service
             .as_ref()
-            .map(|s| (s.namespace.clone(), s.name.clone()))
+            .map(|s| ServiceName {
+                namespace: s.namespace.clone(),
+                name: s.name.clone(),
+            })
             .unwrap_or_default();
         if !destination.exported {
-            return Err((
-                ResponseStatus::Denied,
-                "not-exported",
-                format!(
-                    "Service {}/{} is not exported from cluster {} (label it strait.dev/exported=true)",
-                    service.0, service.1, self.cluster
-                ),
-            ));
+            return Err(Refusal::NotExported {
+                service,
+                cluster: self.cluster.clone(),
+            });
         }
         if !policy::allowed(&caller, destination.allowed_identities.as_deref()) {
-            return Err((
-                ResponseStatus::Denied,
-                "policy",
-                format!(
-                    "{caller} is not allowed to call {}/{} (strait.dev/allowed-identities)",
-                    service.0, service.1
-                ),
-            ));
+            return Err(Refusal::Policy { caller, service });
         }
         let endpoints: Vec<_> = destination
             .endpoints
@@ -500,11 +482,7 @@ impl Gateway {
             })
             .collect();
         if endpoints.is_empty() {
-            return Err((
-                ResponseStatus::TargetUnavailable,
-                "no-endpoints",
-                format!("Service {}/{} has no ready pods", service.0, service.1),
-            ));
+            return Err(Refusal::NoEndpoints { service });
         }
         let labels = StreamLabels {
             transport: String::new(),
@@ -512,17 +490,16 @@ impl Gateway {
             src_namespace: caller.namespace().into(),
             src_workload: caller.service_account().into(),
             dst_cluster: self.cluster.clone(),
-            dst_namespace: service.0.clone(),
-            dst_service: service.1.clone(),
+            dst_namespace: service.namespace,
+            dst_service: service.name,
         };
         // Round robin from a moving start; on a retryable failure, the next.
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let mut last = String::new();
-        for i in 0..endpoints.len() {
-            let (pod, node, identity) = &endpoints[(start + i) % endpoints.len()];
-            let config = self
-                .config_for(identity)
-                .map_err(|e| (ResponseStatus::TargetUnavailable, "config", e.to_string()))?;
+        let mut attempt = 0;
+        loop {
+            let (pod, node, identity) = &endpoints[(start + attempt) % endpoints.len()];
+            attempt += 1;
+            let config = self.config_for(identity)?;
             match open_to_pod(
                 config,
                 *node,
@@ -534,13 +511,10 @@ impl Gateway {
             .await
             {
                 Ok(tunnel) => return Ok((tunnel, labels)),
-                Err(e) if e.retryable() => last = e.to_string(),
-                Err(e) => {
-                    return Err((ResponseStatus::TargetUnavailable, "upstream", e.to_string()));
-                }
+                Err(e) if e.retryable() && attempt < endpoints.len() => {}
+                Err(e) => return Err(e.into()),
             }
         }
-        Err((ResponseStatus::TargetUnavailable, "upstream", last))
     }
 
     fn config_for(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, tls::TlsError> {

@@ -42,7 +42,7 @@ struct Args {
     #[arg(long = "dns-name", default_value = "strait-identity.strait-system.svc")]
     dns_names: Vec<String>,
     /// Namespace the issuer runs in.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "strait-system")]
+    #[arg(long, env = "POD_NAMESPACE", default_value = strait_mesh::names::SYSTEM_NAMESPACE)]
     namespace: String,
     /// ServiceAccount the issuer runs as.
     #[arg(long, default_value = "strait-identity")]

@@ -19,7 +19,9 @@ use rustls::pki_types::UnixTime;
 use serde_json::{Value, json};
 use strait_mesh::identity::certs;
 use strait_mesh::link::{Link, TRUST_ANCHORS_CONFIGMAP};
-use strait_mesh::names::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, SYSTEM_NAMESPACE};
+use strait_mesh::names::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, GATEWAY_SERVICE, SYSTEM_NAMESPACE,
+};
 
 use crate::identity::Format;
 use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};
@@ -408,9 +410,9 @@ fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>
                 set_arg(c, "--cluster-domain", &args.cluster_domain);
             }
         }
-        if kind == "Service" && o["metadata"]["name"] == "strait-gateway" {
+        if kind == "Service" && o["metadata"]["name"] == GATEWAY_SERVICE {
             o["metadata"]["annotations"][GATEWAY_IDENTITY_ANNOTATION] = json!(format!(
-                "spiffe://{}/ns/{SYSTEM_NAMESPACE}/sa/strait-gateway",
+                "spiffe://{}/ns/{SYSTEM_NAMESPACE}/sa/{GATEWAY_SERVICE}",
                 args.trust_domain
             ));
             o["metadata"]["labels"][CLUSTER_NAME_LABEL] = json!(id.cluster);

@@ -19,7 +19,10 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::{Link, LinkSpec, TRUST_ANCHORS_CONFIGMAP};
-use strait_mesh::names::{CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL};
+use strait_mesh::names::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, GATEWAY_SERVICE, MIRRORED_LABEL,
+    PROBE_ANNOTATIONS, SYSTEM_NAMESPACE,
+};
 
 use crate::identity::Format;
 
@@ -208,16 +211,6 @@ pub fn token_kubeconfig(
     })
 }
 
-/// Probe settings a gateway Service may carry (deploy/gateway/service.yaml),
-/// copied into the Link's `spec.probe`: annotation → field.
-const PROBE_ANNOTATIONS: &[(&str, &str)] = &[
-    ("strait.dev/probe-period", "period"),
-    ("strait.dev/probe-timeout", "timeout"),
-    ("strait.dev/probe-path", "path"),
-    ("strait.dev/probe-port", "port"),
-    ("strait.dev/probe-failure-threshold", "failureThreshold"),
-];
-
 /// What the target's `strait-system/strait-gateway` Service says about its gateway.
 #[derive(Default)]
 struct GatewayDefaults {
@@ -232,8 +225,8 @@ struct GatewayDefaults {
 /// addresses (ExternalIP, else InternalIP) and the node port; the identity and
 /// probe annotations.
 async fn gateway_defaults(target: &Client) -> anyhow::Result<GatewayDefaults> {
-    let Ok(Some(svc)) = Api::<Service>::namespaced(target.clone(), "strait-system")
-        .get_opt("strait-gateway")
+    let Ok(Some(svc)) = Api::<Service>::namespaced(target.clone(), SYSTEM_NAMESPACE)
+        .get_opt(GATEWAY_SERVICE)
         .await
     else {
         return Ok(GatewayDefaults::default());

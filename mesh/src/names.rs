@@ -5,6 +5,9 @@
 
 use crate::identity::SpiffeId;
 
+/// The prefix of every Strait label and annotation.
+pub const PREFIX: &str = "strait.dev/";
+
 // ── Labels ──────────────────────────────────────────────────────────────
 
 /// The export label Strait selects by default (`strait.dev/exported=true`).
@@ -42,6 +45,17 @@ pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
 pub const SYSTEM_NAMESPACE: &str = "strait-system";
 /// The node proxies' DaemonSet.
 pub const NODE_PROXY_DAEMONSET: &str = "strait-proxy";
+/// The gateway's Service (and Deployment).
+pub const GATEWAY_SERVICE: &str = "strait-gateway";
+/// Gateway Service annotations copied into a Link's `spec.probe` by
+/// `strait link`: annotation → field.
+pub const PROBE_ANNOTATIONS: &[(&str, &str)] = &[
+    ("strait.dev/probe-period", "period"),
+    ("strait.dev/probe-timeout", "timeout"),
+    ("strait.dev/probe-path", "path"),
+    ("strait.dev/probe-port", "port"),
+    ("strait.dev/probe-failure-threshold", "failureThreshold"),
+];
 /// The audience a token must carry for the issuer to accept it.
 pub const TOKEN_AUDIENCE: &str = "strait.dev/identity";
 /// Request header naming the caller's SPIFFE ID, set by the node proxy that
@@ -63,7 +77,7 @@ impl Carrier {
     pub const fn account(self) -> (&'static str, &'static str) {
         match self {
             Carrier::NodeProxy => (SYSTEM_NAMESPACE, "strait-proxy"),
-            Carrier::Gateway => (SYSTEM_NAMESPACE, "strait-gateway"),
+            Carrier::Gateway => (SYSTEM_NAMESPACE, GATEWAY_SERVICE),
         }
     }
 

@@ -10,7 +10,7 @@
 //! behind several addresses does not take the others' endpoints down.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use rustls::pki_types::ServerName;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
 use strait_mesh::link::{GATEWAY_LATENCY_PUBLISH_INTERVAL_SECS, ProbeSpec};
+use strait_mesh::tunnel::client::TunnelError;
 use strait_mesh::tunnel::quic::GatewayClient;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -88,7 +89,52 @@ impl ProbeSettings {
 #[derive(Debug, Default)]
 struct AddressState {
     failures: u32,
-    last_error: Option<String>,
+    last_error: Option<ProbeError>,
+}
+
+/// Why a probe of one gateway address failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("connecting to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("mTLS handshake with {addr}: {source}")]
+    Handshake {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("HTTP with {addr}: {source}")]
+    Http {
+        addr: SocketAddr,
+        source: hyper::Error,
+    },
+    #[error("probe request: {0}")]
+    Request(#[from] http::Error),
+    #[error("GET {path} on {addr}: {source}")]
+    Get {
+        path: String,
+        addr: SocketAddr,
+        source: hyper::Error,
+    },
+    #[error("GET {path} on {addr} answered {status}")]
+    Status {
+        path: String,
+        addr: SocketAddr,
+        status: http::StatusCode,
+    },
+    #[error("tunnel probe of {addr}: {source}")]
+    Tunnel {
+        addr: SocketAddr,
+        source: TunnelError,
+    },
+    #[error("{what}{addr} gave no answer within {after:?}")]
+    Timeout {
+        what: &'static str,
+        addr: SocketAddr,
+        after: Duration,
+    },
 }
 
 /// Probes one address once: connect, mTLS handshake (the server must be the
@@ -97,43 +143,51 @@ pub async fn probe_once(
     connector: &tokio_rustls::TlsConnector,
     ip: IpAddr,
     settings: &ProbeSettings,
-) -> Result<Duration, String> {
+) -> Result<Duration, ProbeError> {
     let started = Instant::now();
-    let port = settings.port;
+    let addr = SocketAddr::new(ip, settings.port);
+    let path = || settings.path.clone();
     let attempt = async {
-        let tcp = TcpStream::connect((ip, port))
+        let tcp = TcpStream::connect(addr)
             .await
-            .map_err(|e| format!("connecting to {ip}:{port}: {e}"))?;
+            .map_err(|source| ProbeError::Connect { addr, source })?;
         let _ = tcp.set_nodelay(true);
         let tls = connector
             .connect(ServerName::IpAddress(ip.into()), tcp)
             .await
-            .map_err(|e| format!("mTLS handshake with {ip}:{port}: {e}"))?;
+            .map_err(|source| ProbeError::Handshake { addr, source })?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
             .await
-            .map_err(|e| format!("HTTP with {ip}:{port}: {e}"))?;
+            .map_err(|source| ProbeError::Http { addr, source })?;
         let conn = tokio::spawn(conn);
         let request = http::Request::get(settings.path.as_str())
             .header(http::header::HOST, ip.to_string())
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| format!("probe request: {e}"))?;
+            .body(Empty::<Bytes>::new())?;
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| format!("GET {} on {ip}:{port}: {e}", settings.path))?;
+            .map_err(|source| ProbeError::Get {
+                path: path(),
+                addr,
+                source,
+            })?;
         conn.abort();
         if response.status() != http::StatusCode::OK {
-            return Err(format!(
-                "GET {} on {ip}:{port} answered {}",
-                settings.path,
-                response.status()
-            ));
+            return Err(ProbeError::Status {
+                path: path(),
+                addr,
+                status: response.status(),
+            });
         }
         Ok(started.elapsed())
     };
     tokio::time::timeout(settings.timeout, attempt)
         .await
-        .map_err(|_| format!("{ip}:{port} gave no answer within {:?}", settings.timeout))?
+        .map_err(|_| ProbeError::Timeout {
+            what: "",
+            addr,
+            after: settings.timeout,
+        })?
 }
 
 /// How a Link's gateways are probed.
@@ -148,18 +202,19 @@ enum Prober {
 }
 
 impl Prober {
-    async fn probe(&self, ip: IpAddr, settings: &ProbeSettings) -> Result<Duration, String> {
+    async fn probe(&self, ip: IpAddr, settings: &ProbeSettings) -> Result<Duration, ProbeError> {
         match self {
             Prober::Https(connector) => probe_once(connector, ip, settings).await,
             Prober::Tunnel { client, expected } => {
                 let addr = std::net::SocketAddr::new(ip, settings.port);
                 match tokio::time::timeout(settings.timeout, client.probe(addr, expected)).await {
                     Ok(Ok((latency, _transport))) => Ok(latency),
-                    Ok(Err(e)) => Err(format!("tunnel probe of {addr}: {e}")),
-                    Err(_) => Err(format!(
-                        "tunnel probe of {addr}: no answer within {:?}",
-                        settings.timeout
-                    )),
+                    Ok(Err(source)) => Err(ProbeError::Tunnel { addr, source }),
+                    Err(_) => Err(ProbeError::Timeout {
+                        what: "tunnel probe of ",
+                        addr,
+                        after: settings.timeout,
+                    }),
                 }
             }
         }
@@ -371,7 +426,14 @@ fn gateway_health(
     let down: Vec<String> = states
         .iter()
         .filter(|(_, s)| s.failures >= threshold)
-        .map(|(ip, s)| format!("{ip}: {}", s.last_error.as_deref().unwrap_or("failing")))
+        .map(|(ip, s)| {
+            format!(
+                "{ip}: {}",
+                s.last_error
+                    .as_ref()
+                    .map_or("failing".into(), ToString::to_string)
+            )
+        })
         .collect();
     let also = if addresses.errors.is_empty() {
         String::new()

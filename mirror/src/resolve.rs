@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolverConfig};
+use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use tokio::sync::watch;
 
@@ -37,10 +38,18 @@ pub struct GatewayAddresses {
     pub errors: Vec<String>,
 }
 
-pub fn resolver(config: &DnsConfig) -> Result<TokioResolver, String> {
+/// Why no resolver could be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolverError {
+    #[error("reading the system DNS configuration (/etc/resolv.conf): {0}")]
+    SystemConfig(#[source] NetError),
+    #[error("building the DNS resolver: {0}")]
+    Build(#[source] NetError),
+}
+
+pub fn resolver(config: &DnsConfig) -> Result<TokioResolver, ResolverError> {
     let mut builder = match config {
-        DnsConfig::System => TokioResolver::builder_tokio()
-            .map_err(|e| format!("reading the system DNS configuration: {e}"))?,
+        DnsConfig::System => TokioResolver::builder_tokio().map_err(ResolverError::SystemConfig)?,
         DnsConfig::Servers(servers) => {
             let servers = servers
                 .iter()
@@ -59,9 +68,7 @@ pub fn resolver(config: &DnsConfig) -> Result<TokioResolver, String> {
     // Cap cached answers so a long TTL does not hide a moved gateway for hours.
     builder.options_mut().positive_max_ttl = Some(MAX_REFRESH);
     builder.options_mut().negative_max_ttl = Some(MAX_REFRESH);
-    builder
-        .build()
-        .map_err(|e| format!("building the DNS resolver: {e}"))
+    builder.build().map_err(ResolverError::Build)
 }
 
 /// Why Kubernetes would refuse `ip` as an endpoint address, if it would.

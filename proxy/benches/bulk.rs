@@ -18,8 +18,6 @@
 //! `cargo bench -p strait-proxy --bench bulk` with `STRAIT_PROXY_LOG=warn`;
 //! `STRAIT_BENCH_SECS=10`.)
 
-#[path = "../tests/common/mod.rs"]
-mod common;
 #[path = "support/haproxy.rs"]
 mod haproxy;
 #[path = "support/machine.rs"]
@@ -33,7 +31,7 @@ use strait_testenv::NetPod;
 use strait_testenv::process::{ChildProcess, cpu_seconds};
 use strait_testenv::wait::eventually;
 
-use common::*;
+use strait_testenv::fixture::*;
 
 /// Where socat listens in the client pod (loopback) and the loopback server.
 const SHIM_PORT: u16 = 15201;

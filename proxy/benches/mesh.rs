@@ -22,8 +22,6 @@
 //! proxy restarted from that binary (and back), so both builds meet the same
 //! minutes of this shared machine.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
 #[path = "support/haproxy.rs"]
 mod haproxy;
 #[path = "support/machine.rs"]
@@ -35,7 +33,7 @@ use std::path::Path;
 use strait_testenv::process::{cpu_seconds, rss_kib};
 use strait_testenv::workspace_binary;
 
-use common::*;
+use strait_testenv::fixture::*;
 
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())

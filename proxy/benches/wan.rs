@@ -13,6 +13,7 @@
 //! WAN is shaped by testenv's NFQUEUE delay (this kernel has no netem): every
 //! packet crosses user space once, for both transports alike.
 
+// The proxy tests' additions to `strait_testenv::fixture` (transparent pods).
 #[path = "../tests/common/mod.rs"]
 mod common;
 

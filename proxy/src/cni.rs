@@ -18,11 +18,56 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use strait_mesh::names::SYSTEM_NAMESPACE;
 
 /// The `type` of the chained entry (and the binary's name).
 pub const PLUGIN: &str = "strait-cni";
 /// How often the chain is checked again.
 pub const RECHECK: Duration = Duration::from_secs(10);
+
+/// Why strait-cni could not be chained (or unchained).
+#[derive(Debug, thiserror::Error)]
+pub enum CniError {
+    #[error("reading the plugin {path}: {source}")]
+    ReadPlugin { path: PathBuf, source: io::Error },
+    #[error(
+        "no network configuration in {dir} yet (the node's CNI writes one; strait-cni chains after it)"
+    )]
+    NoConfiguration { dir: PathBuf },
+    #[error("{path} is not JSON: {source}")]
+    NotJson {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: {source}")]
+    NotANetwork { path: PathBuf, source: NotANetwork },
+    #[error("{action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl CniError {
+    fn io(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> CniError {
+        let path = path.to_path_buf();
+        move |source| CniError::Io {
+            action,
+            path,
+            source,
+        }
+    }
+}
+
+/// A JSON document that is no network configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum NotANetwork {
+    #[error("not a JSON object")]
+    NotAnObject,
+    #[error("neither a conflist (\"plugins\": […]) nor a plugin configuration (\"type\")")]
+    NoPluginsOrType,
+}
 
 /// Where the node's CNI configuration lives (host folders mounted into the
 /// proxy) and what to chain.
@@ -56,7 +101,7 @@ pub fn primary_config(dir: &Path) -> io::Result<Option<PathBuf>> {
 
 /// `config` (a conflist, or a single plugin's `.conf` object) as a conflist
 /// whose last plugin is `entry`, any earlier `strait-cni` entry removed.
-pub fn chained(config: &Value, entry: &Value) -> Result<Value, String> {
+pub fn chained(config: &Value, entry: &Value) -> Result<Value, NotANetwork> {
     let mut list = as_conflist(config)?;
     let plugins = list["plugins"].as_array_mut().expect("as_conflist");
     plugins.retain(|p| p["type"] != PLUGIN);
@@ -78,18 +123,16 @@ pub fn unchained(config: &Value) -> Option<Value> {
     Some(config)
 }
 
-fn as_conflist(config: &Value) -> Result<Value, String> {
+fn as_conflist(config: &Value) -> Result<Value, NotANetwork> {
     if config["plugins"].is_array() {
         return Ok(config.clone());
     }
     if !config["type"].is_string() {
-        return Err(
-            "neither a conflist (\"plugins\": […]) nor a plugin configuration (\"type\")".into(),
-        );
+        return Err(NotANetwork::NoPluginsOrType);
     }
     // A single plugin's .conf: the same network as a list of one.
     let mut plugin = config.clone();
-    let object = plugin.as_object_mut().ok_or("not a JSON object")?;
+    let object = plugin.as_object_mut().ok_or(NotANetwork::NotAnObject)?;
     let version = object.remove("cniVersion").unwrap_or(json!("0.3.1"));
     let name = object.remove("name").unwrap_or(json!("k8s-pod-network"));
     Ok(json!({"cniVersion": version, "name": name, "plugins": [plugin]}))
@@ -114,81 +157,86 @@ impl CniChain {
         json!({
             "type": PLUGIN,
             "enrollSocket": self.enroll_socket,
-            "excludeNamespaces": ["kube-system", "strait-system"],
+            "excludeNamespaces": ["kube-system", SYSTEM_NAMESPACE],
         })
     }
 
     /// Copies the plugin (when it differs) and chains it; returns the
     /// configuration file, and whether it was changed.
-    pub fn install(&self) -> io::Result<(PathBuf, bool)> {
-        let binary = std::fs::read(&self.plugin).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("reading the plugin {}: {e}", self.plugin.display()),
-            )
+    pub fn install(&self) -> Result<(PathBuf, bool), CniError> {
+        let binary = std::fs::read(&self.plugin).map_err(|source| CniError::ReadPlugin {
+            path: self.plugin.clone(),
+            source,
         })?;
         let target = self.bin_dir.join(PLUGIN);
         if std::fs::read(&target).ok().as_deref() != Some(&binary[..]) {
-            write_atomic(&target, &binary, 0o755).map_err(|e| {
-                io::Error::new(e.kind(), format!("writing {}: {e}", target.display()))
-            })?;
+            write_atomic(&target, &binary, 0o755).map_err(CniError::io("writing", &target))?;
         }
-        let Some(path) = primary_config(&self.conf_dir)? else {
-            return Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                format!(
-                    "no network configuration in {} yet (the node's CNI writes one; strait-cni chains after it)",
-                    self.conf_dir.display()
-                ),
-            ));
+        let Some(path) =
+            primary_config(&self.conf_dir).map_err(CniError::io("reading", &self.conf_dir))?
+        else {
+            return Err(CniError::NoConfiguration {
+                dir: self.conf_dir.clone(),
+            });
         };
-        let text = std::fs::read_to_string(&path)?;
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| io::Error::other(format!("{} is not JSON: {e}", path.display())))?;
-        let updated = chained(&config, &self.entry())
-            .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(&path).map_err(CniError::io("reading", &path))?;
+        let config: Value = serde_json::from_str(&text).map_err(|source| CniError::NotJson {
+            path: path.clone(),
+            source,
+        })?;
+        let updated = chained(&config, &self.entry()).map_err(|source| CniError::NotANetwork {
+            path: path.clone(),
+            source,
+        })?;
         if updated == config {
             return Ok((path, false));
         }
         let mut bytes = serde_json::to_vec_pretty(&updated).expect("serializable");
         bytes.push(b'\n');
         if path.extension().is_some_and(|e| e == "conflist") {
-            write_atomic(&path, &bytes, 0o644)?;
+            write_atomic(&path, &bytes, 0o644).map_err(CniError::io("writing", &path))?;
             Ok((path, true))
         } else {
             // libcni reads a `.conf`/`.json` as one plugin: the list goes
             // into a `.conflist` of the same name (same place in the order).
             let list = path.with_extension("conflist");
-            write_atomic(&list, &bytes, 0o644)?;
-            std::fs::remove_file(&path)?;
+            write_atomic(&list, &bytes, 0o644).map_err(CniError::io("writing", &list))?;
+            std::fs::remove_file(&path).map_err(CniError::io("removing", &path))?;
             Ok((list, true))
         }
     }
 
     /// Takes the entry out of every configuration file and removes the
     /// plugin binary; what it changed.
-    pub fn uninstall(&self) -> io::Result<Vec<PathBuf>> {
+    pub fn uninstall(&self) -> Result<Vec<PathBuf>, CniError> {
         let mut changed = Vec::new();
-        for entry in std::fs::read_dir(&self.conf_dir)? {
-            let path = entry?.path();
+        let reading = CniError::io("reading", &self.conf_dir);
+        let entries = std::fs::read_dir(&self.conf_dir)
+            .and_then(|dir| dir.collect::<io::Result<Vec<_>>>())
+            .map_err(reading)?;
+        for entry in entries {
+            let path = entry.path();
             if path.extension().is_none_or(|e| e != "conflist") {
                 continue;
             }
-            let Ok(config) = std::fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
+            let Some(config) = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
             else {
                 continue;
             };
             if let Some(updated) = unchained(&config) {
                 let mut bytes = serde_json::to_vec_pretty(&updated).expect("serializable");
                 bytes.push(b'\n');
-                write_atomic(&path, &bytes, 0o644)?;
+                write_atomic(&path, &bytes, 0o644).map_err(CniError::io("writing", &path))?;
                 changed.push(path);
             }
         }
-        match std::fs::remove_file(self.bin_dir.join(PLUGIN)) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        let plugin = self.bin_dir.join(PLUGIN);
+        match std::fs::remove_file(&plugin) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(CniError::io("removing", &plugin)(e));
+            }
             _ => {}
         }
         Ok(changed)

@@ -4,13 +4,13 @@
 //! else is refused with a [`TunnelResponse`] that says why, before any byte
 //! reaches a pod.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
+use strait_mesh::identity::{SpiffeId, SpiffeIdError};
 use strait_mesh::io::{ReadAhead, ServerTls as PeerTls};
 use strait_mesh::names::{CLIENT_ID_HEADER, Carrier, may_speak_for_others};
 use strait_mesh::tunnel::{
@@ -117,87 +117,19 @@ impl Inbound {
                 return Err(format!("tunnel header from {client}: {e}"));
             }
         };
-        let refuse = async |tls: &mut PeerTls, status: ResponseStatus, message: String| {
-            tracing::info!(%peer, client = %client, "refused: {message}");
-            let _ = TunnelResponse::refused(status, message.clone())
-                .write_to(tls)
-                .await;
-            let _ = tls.shutdown().await;
-            Err(message)
-        };
-        // A node proxy speaks for its own pods only; only this cluster's
-        // gateway carries a remote caller's identity (it checked the caller's
-        // own proof and the Service's policy). Anyone else claiming another
-        // caller is a misconfiguration or an attack.
-        let caller = match &header.source {
-            Some(source)
-                if may_speak_for_others(Carrier::NodeProxy, &client)
-                    && client.trust_domain() == self.identities.trust_domain() =>
-            {
-                source.clone()
-            }
-            Some(source) => {
-                return refuse(
-                    &mut tls,
-                    ResponseStatus::Denied,
-                    format!("{client} may not speak for {source}: only gateways may carry a caller's identity"),
-                )
-                .await;
-            }
-            None => client.clone(),
-        };
-        let Target::Pod { addr } = header.target else {
-            return refuse(
-                &mut tls,
-                ResponseStatus::NotFound,
-                "a node proxy delivers to pods only; services are resolved by the sender".into(),
-            )
-            .await;
-        };
-        let Some(pod) = self.pods.local_pod(addr.ip()) else {
-            return refuse(
-                &mut tls,
-                ResponseStatus::NotFound,
-                format!("no pod with IP {} runs on node {}", addr.ip(), self.node),
-            )
-            .await;
-        };
-        if (pod.namespace.as_str(), pod.service_account.as_str())
-            != (served.0.as_str(), served.1.as_str())
-        {
-            return refuse(
-                &mut tls,
-                ResponseStatus::Denied,
-                format!(
-                    "pod {}/{} runs as {}/{}, not as the identity the client asked for ({}/{})",
-                    pod.namespace, pod.name, pod.namespace, pod.service_account, served.0, served.1
-                ),
-            )
-            .await;
-        }
-        let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                return refuse(
-                    &mut tls,
-                    ResponseStatus::TargetUnavailable,
-                    format!(
-                        "connecting to pod {}/{} at {addr}: {e}",
-                        pod.namespace, pod.name
-                    ),
-                )
-                .await;
-            }
-            Err(_) => {
-                return refuse(
-                    &mut tls,
-                    ResponseStatus::TargetUnavailable,
-                    format!(
-                        "pod {}/{} at {addr} did not accept within {CONNECT_TIMEOUT:?}",
-                        pod.namespace, pod.name
-                    ),
-                )
-                .await;
+        let Admitted {
+            caller,
+            pod,
+            upstream,
+        } = match self.admit(&header, &client, &served).await {
+            Ok(admitted) => admitted,
+            Err(refusal) => {
+                tracing::info!(%peer, client = %client, "refused: {refusal}");
+                let _ = TunnelResponse::refused(refusal.status(), refusal.to_string())
+                    .write_to(&mut tls)
+                    .await;
+                let _ = tls.shutdown().await;
+                return Err(refusal.to_string());
             }
         };
         let _ = upstream.set_nodelay(true);
@@ -230,6 +162,117 @@ impl Inbound {
                 let (from_client, to_client) = result.unwrap_or((0, 0));
                 self.metrics.tcp_close(&labels, from_client, to_client);
                 Ok(())
+            }
+        }
+    }
+    /// Who the caller is, which local pod it reaches, and a connection to
+    /// it: or why not.
+    async fn admit(
+        &self,
+        header: &TunnelHeader,
+        client: &SpiffeId,
+        served: &(String, String),
+    ) -> Result<Admitted, Refusal> {
+        // A node proxy speaks for its own pods only; only this cluster's
+        // gateway carries a remote caller's identity (it checked the caller's
+        // own proof and the Service's policy). Anyone else claiming another
+        // caller is a misconfiguration or an attack.
+        let caller = match &header.source {
+            Some(source)
+                if may_speak_for_others(Carrier::NodeProxy, client)
+                    && client.trust_domain() == self.identities.trust_domain() =>
+            {
+                source.clone()
+            }
+            Some(source) => {
+                return Err(Refusal::SourceClaim {
+                    client: client.clone(),
+                    claimed: source.clone(),
+                });
+            }
+            None => client.clone(),
+        };
+        let Target::Pod { addr } = header.target else {
+            return Err(Refusal::NotAPod);
+        };
+        let Some(pod) = self.pods.local_pod(addr.ip()) else {
+            return Err(Refusal::UnknownPod {
+                ip: addr.ip(),
+                node: self.node.clone(),
+            });
+        };
+        if (pod.namespace.as_str(), pod.service_account.as_str())
+            != (served.0.as_str(), served.1.as_str())
+        {
+            return Err(Refusal::NotThatIdentity {
+                pod: format!("{}/{}", pod.namespace, pod.name),
+                runs_as: format!("{}/{}", pod.namespace, pod.service_account),
+                asked: format!("{}/{}", served.0, served.1),
+            });
+        }
+        let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => {
+                return Err(Refusal::Connect {
+                    pod: format!("{}/{}", pod.namespace, pod.name),
+                    addr,
+                    source,
+                });
+            }
+            Err(_) => {
+                return Err(Refusal::ConnectTimeout {
+                    pod: format!("{}/{}", pod.namespace, pod.name),
+                    addr,
+                });
+            }
+        };
+        Ok(Admitted {
+            caller,
+            pod,
+            upstream,
+        })
+    }
+}
+
+/// An admitted tunnel: its caller, the pod and a connection to it.
+struct Admitted {
+    caller: SpiffeId,
+    pod: LocalPod,
+    upstream: TcpStream,
+}
+
+/// Why a node proxy refuses a tunnel; the status is its answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("{client} may not speak for {claimed}: only gateways may carry a caller's identity")]
+    SourceClaim { client: SpiffeId, claimed: SpiffeId },
+    #[error("a node proxy delivers to pods only; services are resolved by the sender")]
+    NotAPod,
+    #[error("no pod with IP {ip} runs on node {node}")]
+    UnknownPod { ip: IpAddr, node: String },
+    #[error("pod {pod} runs as {runs_as}, not as the identity the client asked for ({asked})")]
+    NotThatIdentity {
+        pod: String,
+        runs_as: String,
+        asked: String,
+    },
+    #[error("connecting to pod {pod} at {addr}: {source}")]
+    Connect {
+        pod: String,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("pod {pod} at {addr} did not accept within {CONNECT_TIMEOUT:?}")]
+    ConnectTimeout { pod: String, addr: SocketAddr },
+}
+
+impl Refusal {
+    pub fn status(&self) -> ResponseStatus {
+        match self {
+            Refusal::SourceClaim { .. } | Refusal::NotThatIdentity { .. } => ResponseStatus::Denied,
+            Refusal::NotAPod | Refusal::UnknownPod { .. } => ResponseStatus::NotFound,
+            Refusal::Connect { .. } | Refusal::ConnectTimeout { .. } => {
+                ResponseStatus::TargetUnavailable
             }
         }
     }
@@ -348,6 +391,6 @@ enum PodSender {
 }
 
 /// The SPIFFE ID a local pod runs as.
-pub fn pod_identity(trust_domain: &str, pod: &LocalPod) -> Result<SpiffeId, String> {
-    SpiffeId::new(trust_domain, &pod.namespace, &pod.service_account).map_err(|e| e.to_string())
+pub fn pod_identity(trust_domain: &str, pod: &LocalPod) -> Result<SpiffeId, SpiffeIdError> {
+    SpiffeId::new(trust_domain, &pod.namespace, &pod.service_account)
 }

@@ -15,6 +15,7 @@ use clap::Parser;
 use strait_mesh::admin::{self, Readiness};
 use strait_mesh::identity::client::IdentityMetrics;
 use strait_mesh::identity::workload::IdentityArgs;
+use strait_mesh::names::{NODE_PROXY_DAEMONSET, SYSTEM_NAMESPACE};
 use strait_mesh::telemetry::{LogFormat, init_tracing};
 use strait_proxy::discovery::{Discovery, DiscoveryConfig};
 use strait_proxy::drain::Drain;
@@ -76,7 +77,7 @@ struct Args {
     /// proxy stops while its DaemonSet or Namespace is gone or being
     /// deleted, Strait is being uninstalled and transparent mode is undone
     /// on the node (CNI entry, plugin, every captured pod's rules).
-    #[arg(long, env = "POD_NAMESPACE", default_value = "strait-system")]
+    #[arg(long, env = "POD_NAMESPACE", default_value = SYSTEM_NAMESPACE)]
     pod_namespace: String,
     /// Where the DNS responder of transparent mode forwards names that are
     /// not Services of this cluster (default: the first non-loopback
@@ -383,7 +384,7 @@ async fn being_uninstalled(client: &kube::Client, namespace: &str) -> bool {
     let asked = async {
         let daemonsets: kube::Api<DaemonSet> = kube::Api::namespaced(client.clone(), namespace);
         let namespaces: kube::Api<Namespace> = kube::Api::all(client.clone());
-        let ds = daemonsets.get_opt(DAEMONSET).await?;
+        let ds = daemonsets.get_opt(NODE_PROXY_DAEMONSET).await?;
         let ns = namespaces
             .list(&kube::api::ListParams::default().fields(&format!("metadata.name={namespace}")))
             .await?;
@@ -416,9 +417,6 @@ async fn being_uninstalled(client: &kube::Client, namespace: &str) -> bool {
         }
     }
 }
-
-/// The node proxy's DaemonSet (deploy/proxy/daemonset.yaml).
-const DAEMONSET: &str = "strait-proxy";
 
 /// Forgets the latency statistics and the pooled connections of endpoints
 /// that are gone (bounded memory), on the calling thread's runtime.

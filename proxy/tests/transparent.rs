@@ -346,7 +346,8 @@ async fn enrollment_refuses_bad_requests_and_keeps_serving() {
         },
     )
     .await
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("not scheduled to node"), "{err}");
     mesh.pods.insert("plain".into(), (plain, None));
 
@@ -369,7 +370,8 @@ async fn enrollment_refuses_bad_requests_and_keeps_serving() {
         },
     )
     .await
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("network namespace"), "{err}");
     for _ in 0..2 {
         let captured = enroll(

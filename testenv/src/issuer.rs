@@ -252,8 +252,30 @@ pub async fn token(
     audiences: &[&str],
     bound_pod: Option<(&str, &str)>,
 ) -> String {
-    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-    let mut spec = json!({"expirationSeconds": 3600});
+    request_token(
+        client,
+        ns,
+        sa,
+        audiences,
+        bound_pod,
+        Duration::from_secs(3600),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// A TokenRequest for `ns/sa` valid for `ttl`, for `audiences` (none: the
+/// API server's), bound to a Pod (`(name, uid)`) when given.
+pub async fn request_token(
+    client: &Client,
+    ns: &str,
+    sa: &str,
+    audiences: &[&str],
+    bound_pod: Option<(&str, &str)>,
+    ttl: Duration,
+) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    let mut spec = json!({"expirationSeconds": ttl.as_secs()});
     if !audiences.is_empty() {
         spec["audiences"] = json!(audiences);
     }
@@ -261,13 +283,14 @@ pub async fn token(
         spec["boundObjectRef"] =
             json!({"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid});
     }
-    let request: TokenRequest = serde_json::from_value(json!({"spec": spec})).unwrap();
-    api.create_token_request(sa, &PostParams::default(), &request)
+    let request: TokenRequest = serde_json::from_value(json!({"spec": spec}))?;
+    Api::<ServiceAccount>::namespaced(client.clone(), ns)
+        .create_token_request(sa, &PostParams::default(), &request)
         .await
-        .unwrap_or_else(|e| panic!("TokenRequest for {ns}/{sa}: {e}"))
+        .with_context(|| format!("TokenRequest for {ns}/{sa}"))?
         .status
         .and_then(|s| s.token)
-        .expect("token")
+        .context("TokenRequest answered without a token")
 }
 
 /// A Strait-audience token for `ns/sa`, creating the ServiceAccount if needed.

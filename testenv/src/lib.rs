@@ -21,6 +21,8 @@ pub mod cluster;
 pub mod controlplane;
 pub mod demo;
 pub mod dns;
+pub mod files;
+pub mod fixture;
 pub mod images;
 pub mod installed;
 pub mod issuer;

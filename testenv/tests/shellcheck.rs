@@ -1,7 +1,7 @@
 //! Every shell script of the repository (scripts/, testenv/kind/, any other
 //! *.sh) passes shellcheck, following what they `source`. The kind scripts
 //! cannot run here (no Docker): this and the manifest dry-run test
-//! (link-cli/tests/install.rs) are what checks them.
+//! (link-cli/tests/install/) are what checks them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

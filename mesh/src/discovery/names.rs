@@ -42,16 +42,26 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// A [`TIMEOUT_ANNOTATION`] value that is no usable timeout.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TimeoutError {
+    #[error("{TIMEOUT_ANNOTATION}: {0:?} is zero; give a duration like \"2s\" or remove it")]
+    Zero(String),
+    #[error(
+        "{TIMEOUT_ANNOTATION}: {value:?} is not a duration ({why}); write it like \"2s\" or \"500ms\""
+    )]
+    NotADuration { value: String, why: String },
+}
+
 /// Parses a [`TIMEOUT_ANNOTATION`] value; the error says what is wrong.
-pub fn parse_timeout(value: &str) -> Result<std::time::Duration, String> {
+pub fn parse_timeout(value: &str) -> Result<std::time::Duration, TimeoutError> {
     match humantime::parse_duration(value.trim()) {
         Ok(d) if !d.is_zero() => Ok(d),
-        Ok(_) => Err(format!(
-            "{TIMEOUT_ANNOTATION}: {value:?} is zero; give a duration like \"2s\" or remove it"
-        )),
-        Err(e) => Err(format!(
-            "{TIMEOUT_ANNOTATION}: {value:?} is not a duration ({e}); write it like \"2s\" or \"500ms\""
-        )),
+        Ok(_) => Err(TimeoutError::Zero(value.into())),
+        Err(e) => Err(TimeoutError::NotADuration {
+            value: value.into(),
+            why: e.to_string(),
+        }),
     }
 }
 
@@ -67,10 +77,16 @@ mod tests {
             parse_timeout(" 250ms "),
             Ok(std::time::Duration::from_millis(250))
         );
-        assert!(parse_timeout("0s").unwrap_err().contains("zero"));
+        assert!(
+            parse_timeout("0s")
+                .unwrap_err()
+                .to_string()
+                .contains("zero")
+        );
         assert!(
             parse_timeout("soon")
                 .unwrap_err()
+                .to_string()
                 .contains("not a duration")
         );
     }

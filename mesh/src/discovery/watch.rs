@@ -166,7 +166,7 @@ fn trim_meta(meta: &mut ObjectMeta) {
     meta.owner_references = None;
     meta.finalizers = None;
     if let Some(a) = meta.annotations.as_mut() {
-        a.retain(|k, _| k.starts_with("strait.dev/"));
+        a.retain(|k, _| k.starts_with(crate::names::PREFIX));
     }
 }
 

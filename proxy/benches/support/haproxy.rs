@@ -18,7 +18,7 @@ use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::ca::LeafSigner;
 use strait_testenv::process::ChildProcess;
 
-use crate::common::Mesh;
+use strait_testenv::fixture::Mesh;
 
 /// What the pair forwards: HTTP requests (kept-alive, reused connections
 /// between the two) or plain TCP streams, over TLS; or TCP streams with

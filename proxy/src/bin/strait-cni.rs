@@ -23,6 +23,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
+use strait_mesh::names::SYSTEM_NAMESPACE;
 use strait_proxy::transparent::{EnrollRequest, enroll};
 
 const SUPPORTED: [&str; 6] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0", "1.2.0"];
@@ -47,7 +48,7 @@ fn default_socket() -> PathBuf {
     "/var/run/strait/enroll.sock".into()
 }
 fn default_excluded() -> Vec<String> {
-    vec!["kube-system".into(), "strait-system".into()]
+    vec!["kube-system".into(), SYSTEM_NAMESPACE.into()]
 }
 
 /// `K8S_POD_NAMESPACE` and `K8S_POD_NAME` from `CNI_ARGS` (`K=V;K=V`).

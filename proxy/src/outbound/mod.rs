@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use strait_mesh::identity::client::ManagedIdentity;
+use strait_mesh::identity::client::{IssueError, ManagedIdentity};
 use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::tunnel::client::TunnelError;
 use strait_mesh::tunnel::{Protocol, ResponseStatus};
@@ -95,6 +95,27 @@ fn empty_body() -> Body {
         .boxed()
 }
 
+/// Why a connection's caller is not served.
+#[derive(Debug, thiserror::Error)]
+pub enum CallerError {
+    #[error(
+        "{ip} is not a pod on node {node}: the node proxy serves only this node's pods, known by their own source address; if a pod of this node sent this, its address was rewritten on the way (e.g. a hostPort through the CNI portmap plugin masquerades same-node callers unless its \"snat\" is false): reach the proxy through the strait-proxy Service (internalTrafficPolicy: Local) or transparent mode instead"
+    )]
+    NotOnNode { ip: IpAddr, node: String },
+    #[error("pod {namespace}/{name} is not known to run on node {node}")]
+    UnknownPod {
+        namespace: String,
+        name: String,
+        node: String,
+    },
+    #[error("no identity for pod {namespace}/{name}: {source}")]
+    NoIdentity {
+        namespace: String,
+        name: String,
+        source: IssueError,
+    },
+}
+
 impl Outbound {
     pub fn new(
         node: &str,
@@ -160,7 +181,8 @@ impl Outbound {
     /// answered and then the connection closes (an idle keep-alive connection
     /// closes at once), so pooling clients do not hold the drain open.
     async fn handle(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, drain: Drain) {
-        let caller = self.caller(peer.ip()).await;
+        // The refusal is every request's answer: kept as its text.
+        let caller = self.caller(peer.ip()).await.map_err(|e| e.to_string());
         let this = self.clone();
         let tunnels = drain.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -190,36 +212,31 @@ impl Outbound {
     }
 
     /// The calling pod, which must run on this node, and its identity.
-    async fn caller(&self, ip: IpAddr) -> Result<Caller, String> {
-        let pod = self.destinations.local_pod(ip).ok_or_else(|| {
-            format!(
-                "{ip} is not a pod on node {}: the node proxy serves only this node's pods, \
-                 known by their own source address; if a pod of this node sent this, its \
-                 address was rewritten on the way (e.g. a hostPort through the CNI portmap \
-                 plugin masquerades same-node callers unless its \"snat\" is false): reach the \
-                 proxy through the strait-proxy Service (internalTrafficPolicy: Local) or \
-                 transparent mode instead",
-                self.node
-            )
-        })?;
-        self.caller_for(pod).await
-    }
-
-    /// A pod enrolled in transparent mode, by name.
-    async fn caller_named(&self, namespace: &str, name: &str) -> Result<Caller, String> {
+    async fn caller(&self, ip: IpAddr) -> Result<Caller, CallerError> {
         let pod = self
             .destinations
-            .local_pod_named(namespace, name)
-            .ok_or_else(|| {
-                format!(
-                    "pod {namespace}/{name} is not known to run on node {}",
-                    self.node
-                )
+            .local_pod(ip)
+            .ok_or_else(|| CallerError::NotOnNode {
+                ip,
+                node: self.node.clone(),
             })?;
         self.caller_for(pod).await
     }
 
-    async fn caller_for(&self, pod: LocalPod) -> Result<Caller, String> {
+    /// A pod enrolled in transparent mode, by name.
+    async fn caller_named(&self, namespace: &str, name: &str) -> Result<Caller, CallerError> {
+        let pod = self
+            .destinations
+            .local_pod_named(namespace, name)
+            .ok_or_else(|| CallerError::UnknownPod {
+                namespace: namespace.into(),
+                name: name.into(),
+                node: self.node.clone(),
+            })?;
+        self.caller_for(pod).await
+    }
+
+    async fn caller_for(&self, pod: LocalPod) -> Result<Caller, CallerError> {
         let pod_ref = PodRef {
             namespace: pod.namespace.clone(),
             name: pod.name.clone(),
@@ -228,7 +245,11 @@ impl Outbound {
             .identities
             .for_pod(&pod_ref, &pod.service_account)
             .await
-            .map_err(|e| format!("no identity for pod {}/{}: {e}", pod.namespace, pod.name))?;
+            .map_err(|source| CallerError::NoIdentity {
+                namespace: pod.namespace,
+                name: pod.name,
+                source,
+            })?;
         Ok(Caller { identity })
     }
 

@@ -17,54 +17,14 @@ use strait_mesh::io::ClientTls;
 use strait_mesh::tunnel::client::{TunnelError, open_to_pod};
 use strait_mesh::tunnel::quic::{GatewayClient, GatewayStream};
 use strait_mesh::tunnel::{Protocol, Target, TunnelHeader};
+use tokio_util::either::Either;
 
 use crate::identity::PodIdentities;
 use crate::view::{Endpoint, Via};
 
-/// A tunnel: to a node proxy (TCP + TLS), or to a remote gateway (a QUIC
-/// stream, or TCP + TLS on fallback).
-pub enum TunnelStream {
-    Node(Box<ClientTls>),
-    Gateway(GatewayStream),
-}
-
-impl tokio::io::AsyncRead for TunnelStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-            TunnelStream::Gateway(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl tokio::io::AsyncWrite for TunnelStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-            TunnelStream::Gateway(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_flush(cx),
-            TunnelStream::Gateway(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            TunnelStream::Node(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-            TunnelStream::Gateway(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
+/// A tunnel: to a node proxy (TCP + TLS, `Left`), or to a remote gateway (a
+/// QUIC stream, or TCP + TLS on fallback, `Right`).
+pub type TunnelStream = Either<Box<ClientTls>, GatewayStream>;
 
 /// Everything needed to open a tunnel to any endpoint for a caller.
 #[derive(Clone)]
@@ -112,7 +72,7 @@ impl Opener {
                     None,
                 )
                 .await?;
-                Ok(TunnelStream::Node(Box::new(tls)))
+                Ok(Either::Left(Box::new(tls)))
             }
             Via::Gateway { service, port } => {
                 let gateways = self.gateways.as_ref().ok_or_else(|| {
@@ -127,7 +87,7 @@ impl Opener {
                 let stream = gateways
                     .open(endpoint.addr, &endpoint.identity, &header)
                     .await?;
-                Ok(TunnelStream::Gateway(stream))
+                Ok(Either::Right(stream))
             }
         }
     }
@@ -271,9 +231,7 @@ pub(super) struct FallbackTcp;
 impl Connection for TunnelIo {
     fn connected(&self) -> Connected {
         match self.0.inner() {
-            TunnelStream::Gateway(s) if s.transport() == "tcp" => {
-                Connected::new().extra(FallbackTcp)
-            }
+            Either::Right(s) if s.transport() == "tcp" => Connected::new().extra(FallbackTcp),
             _ => Connected::new(),
         }
     }

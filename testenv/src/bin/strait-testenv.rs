@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
+use strait_testenv::files::write_private;
 use strait_testenv::process::wait_for_stop_signal;
-use strait_testenv::stack::write_private;
 use strait_testenv::{
     Cluster, ClusterConfig, ClusterTopology, controlplane, kubeconfig, net, process,
 };

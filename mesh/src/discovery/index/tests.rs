@@ -1,6 +1,10 @@
 //! The tables from hand-made objects: port resolution, readiness, routes.
 
 use super::*;
+use crate::discovery::model::{MirrorInfo, Route};
+use crate::names::{
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
+};
 use serde_json::json;
 
 fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Arc<T> {

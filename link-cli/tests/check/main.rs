@@ -6,217 +6,26 @@
 //! identity from the issuer) and is linked to west with `strait link`. Then
 //! faults are injected one at a time and `check` must name each. Needs root.
 
-#[path = "../../proxy/tests/common/mod.rs"]
-#[allow(unused)]
-mod mesh;
+use strait_testenv::fixture as mesh;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::time::Duration;
 
-use base64::Engine as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client};
 use serde_json::json;
-use strait_mesh::identity::ca::{self, PemPair};
+use strait_mesh::identity::ca::{self};
 use strait_mesh::link::Link;
-use strait_mesh::names::TOKEN_AUDIENCE;
-use strait_testenv::issuer::{self, token};
 use strait_testenv::net::root_or_skip;
-use strait_testenv::process::{ChildProcess, log_tail};
 use strait_testenv::wait::eventually;
 use strait_testenv::workloads::ensure_namespace;
 use strait_testenv::{Cluster, kubeconfig, kubectl, workspace_binary};
 
 const WAIT: Duration = Duration::from_secs(60);
+
+mod support;
+use support::*;
 const GATEWAY_ID: &str = "spiffe://cluster.local/ns/strait-system/sa/strait-gateway";
-
-fn strait(kc: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strait"))
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(kc)
-        .output()
-        .expect("run strait")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// `strait check -o json`: the exit status and the results by check name.
-fn check_json(kc: &Path, extra: &[&str]) -> (bool, Vec<serde_json::Value>) {
-    let mut args = vec!["check", "--context", "east", "-o", "json"];
-    args.extend_from_slice(extra);
-    let out = strait(kc, &args);
-    let results: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("check -o json is JSON ({e}): {}", text(&out)));
-    (out.status.success(), results)
-}
-
-fn find<'a>(results: &'a [serde_json::Value], check: &str) -> &'a serde_json::Value {
-    results
-        .iter()
-        .find(|r| r["check"] == check)
-        .unwrap_or_else(|| panic!("no check {check:?} in {results:#?}"))
-}
-
-fn failing(results: &[serde_json::Value]) -> Vec<String> {
-    results
-        .iter()
-        .filter(|r| r["ok"] == false)
-        .map(|r| format!("{}: {}", r["check"], r["message"]))
-        .collect()
-}
-
-/// Runs check until `check` fails; returns its message and every failing line.
-async fn until_check_fails(kc: &Path, check: &str) -> (String, Vec<String>) {
-    eventually(&format!("check {check:?} to fail"), WAIT, || async {
-        let (ok, results) = check_json(kc, &[]);
-        let r = find(&results, check);
-        if r["ok"] == false {
-            assert!(!ok, "a failing check makes the exit status non-zero");
-            assert!(
-                r["hint"].as_str().is_some_and(|h| !h.is_empty()),
-                "every failure has a hint: {r}"
-            );
-            Ok((
-                r["message"].as_str().unwrap().to_string(),
-                failing(&results),
-            ))
-        } else {
-            Err(format!("{check} still passes: {}", r["message"]))
-        }
-    })
-    .await
-}
-
-fn assert_all_pass(kc: &Path, what: &str) -> Vec<serde_json::Value> {
-    let (ok, results) = check_json(kc, &["--wait", "90s"]);
-    assert!(ok, "{what}: check fails: {:#?}", failing(&results));
-    results
-}
-
-/// What `strait install` puts in strait-system for the checks: the trust
-/// anchors ConfigMap and the issuer Secret.
-async fn install_identity_objects(client: &Client, anchor_pem: &str, issuer: &PemPair) {
-    ensure_namespace(client, "strait-system").await.unwrap();
-    let cm: ConfigMap = serde_json::from_value(json!({
-        "metadata": {"name": "strait-trust-anchors"}, "data": {"ca.crt": anchor_pem}}))
-    .unwrap();
-    Api::<ConfigMap>::namespaced(client.clone(), "strait-system")
-        .patch(
-            "strait-trust-anchors",
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": "strait-trust-anchors", "namespace": "strait-system"},
-                "data": cm.data})),
-        )
-        .await
-        .unwrap();
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": "strait-identity-issuer"}, "type": "kubernetes.io/tls",
-        "stringData": {"tls.crt": issuer.cert_pem, "tls.key": issuer.key_pem, "ca.crt": anchor_pem}}))
-    .unwrap();
-    Api::<Secret>::namespaced(client.clone(), "strait-system")
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
-}
-
-/// The real `strait-mirror` in east, on the host (the host reaches every
-/// node network, as a controller pod reaches the gateway's address), as its
-/// ServiceAccount with deploy/mirror/rbac.yaml, with its own identity.
-async fn start_mirror(east: &mesh::Mesh, dir: &Path) -> ChildProcess {
-    let cluster = east.topology.cluster();
-    let client = cluster.client();
-    strait_testenv::kubectl_apply(
-        cluster,
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/rbac.yaml"),
-    );
-    strait_testenv::workloads::wait_for_service_account(
-        &client,
-        "strait-multicluster",
-        "strait-mirror",
-        WAIT,
-    )
-    .await
-    .unwrap();
-    let api_token = token(&client, "strait-multicluster", "strait-mirror", &[], None).await;
-    let identity_token = token(
-        &client,
-        "strait-multicluster",
-        "strait-mirror",
-        &[TOKEN_AUDIENCE],
-        None,
-    )
-    .await;
-    let kc = kubeconfig::with_token(
-        cluster.name(),
-        &cluster.server_url(),
-        cluster.ca_pem(),
-        &api_token,
-    );
-    std::fs::write(dir.join("kubeconfig"), kubeconfig::to_yaml(&kc).unwrap()).unwrap();
-    std::fs::write(dir.join("token"), identity_token).unwrap();
-    std::fs::write(dir.join("ca.crt"), &east.anchor.cert_pem).unwrap();
-    let s = |p: PathBuf| p.to_string_lossy().into_owned();
-    let args = vec![
-        "--admin-addr=127.0.0.1:0".to_string(),
-        format!("--issuer-addr={}", east.issuer.addr),
-        format!("--issuer-name={}", issuer::ISSUER_DNS),
-        format!("--trust-anchors={}", s(dir.join("ca.crt"))),
-        format!("--token-file={}", s(dir.join("token"))),
-    ];
-    ChildProcess::spawn_with_env(
-        "strait-mirror",
-        &workspace_binary("strait-mirror"),
-        &args,
-        &[
-            ("KUBECONFIG", dir.join("kubeconfig").as_os_str()),
-            ("RUST_LOG", std::ffi::OsStr::new("strait_mirror=debug,info")),
-        ],
-        &dir.join("mirror.log"),
-    )
-    .expect("spawn strait-mirror")
-}
-
-/// `token` re-signed with the cluster's own service-account key, its `exp`
-/// two minutes past: a genuine token of that cluster that has expired.
-fn expired_copy(token: &str, cluster: &Cluster) -> String {
-    use ring::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair};
-    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    let mut parts = token.split('.');
-    let header = parts.next().unwrap();
-    let mut claims: serde_json::Value =
-        serde_json::from_slice(&b64.decode(parts.next().unwrap()).unwrap()).unwrap();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    claims["iat"] = json!(now - 720);
-    claims["nbf"] = json!(now - 720);
-    claims["exp"] = json!(now - 120);
-    let key_pem = std::fs::read_to_string(cluster.dir().join("pki/sa.key")).unwrap();
-    let der = key_pem
-        .lines()
-        .filter(|l| !l.starts_with("-----"))
-        .collect::<String>();
-    let der = base64::engine::general_purpose::STANDARD
-        .decode(der)
-        .unwrap();
-    let rng = ring::rand::SystemRandom::new();
-    let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &der, &rng)
-        .expect("the cluster's service-account key is PKCS#8 P-256");
-    let signing_input = format!("{header}.{}", b64.encode(claims.to_string()));
-    let sig = key.sign(&rng, signing_input.as_bytes()).unwrap();
-    format!("{signing_input}.{}", b64.encode(sig.as_ref()))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
@@ -561,37 +370,6 @@ async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
     drop(dump_mirror_log);
     mirror.stop(Duration::from_secs(1));
     drop(gw);
-}
-
-/// Prints the controller's log if the test panics.
-struct LogOnPanic(PathBuf);
-
-/// Whether every endpoint of the mirror `shop/web-west` is ready, as the
-/// mirror controller's gateway probe sets them (`None`: no endpoints yet).
-async fn mirror_endpoints_ready(client: &Client) -> Option<bool> {
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
-    let slices = Api::<EndpointSlice>::namespaced(client.clone(), "shop")
-        .list(&kube::api::ListParams::default().labels("kubernetes.io/service-name=web-west"))
-        .await
-        .ok()?;
-    let ready: Vec<bool> = slices
-        .items
-        .iter()
-        .flat_map(|s| s.endpoints.iter().flatten())
-        .map(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false))
-        .collect();
-    (!ready.is_empty()).then(|| ready.iter().all(|r| *r))
-}
-
-fn scopeguard(path: PathBuf) -> LogOnPanic {
-    LogOnPanic(path)
-}
-impl Drop for LogOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("──── strait-mirror ────\n{}", log_tail(&self.0, 60));
-        }
-    }
 }
 
 /// A cluster without the CRD (or anything of Strait): check fails and says how to install it.

@@ -13,14 +13,15 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use tokio::io::{AsyncRead, AsyncWrite, Join, ReadBuf};
 use tokio::net::TcpStream;
+
+mod stream;
+
+pub use stream::GatewayStream;
 
 use super::client::{CONNECT_TIMEOUT, TunnelError, handshake};
 use super::{TUNNEL_ALPN, TunnelHeader, server_name_for};
@@ -128,66 +129,6 @@ pub fn endpoint(
     let runtime = quinn::default_runtime()
         .ok_or_else(|| std::io::Error::other("no async runtime for QUIC"))?;
     quinn::Endpoint::new(quinn::EndpointConfig::default(), server, socket, runtime)
-}
-
-/// A tunnel stream to a gateway: a QUIC stream or, on fallback, TCP + TLS.
-pub enum GatewayStream {
-    Quic(Join<quinn::RecvStream, quinn::SendStream>),
-    Tcp(Box<crate::io::ClientTls>),
-    /// A CONNECT stream on the fallback's shared HTTP/2 connection.
-    H2(hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>),
-}
-
-impl GatewayStream {
-    /// Which transport carries it: `quic` or `tcp`.
-    pub fn transport(&self) -> &'static str {
-        match self {
-            GatewayStream::Quic(_) => "quic",
-            GatewayStream::Tcp(_) | GatewayStream::H2(_) => "tcp",
-        }
-    }
-}
-
-impl AsyncRead for GatewayStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            GatewayStream::Quic(s) => Pin::new(s).poll_read(cx, buf),
-            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-            GatewayStream::H2(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for GatewayStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            GatewayStream::Quic(s) => Pin::new(s).poll_write(cx, buf),
-            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-            GatewayStream::H2(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            GatewayStream::Quic(s) => Pin::new(s).poll_flush(cx),
-            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_flush(cx),
-            GatewayStream::H2(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            GatewayStream::Quic(s) => Pin::new(s).poll_shutdown(cx),
-            GatewayStream::Tcp(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-            GatewayStream::H2(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
 }
 
 /// The reserved target of a probe: a gateway answers a stream naming it with

@@ -7,19 +7,23 @@
 //! what happened with the evidence for each hop, and fails (non-zero exit)
 //! when a hop shows no evidence, so CI can run it (`testenv/tests/demo.rs`).
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 
+mod counters;
 mod evidence;
+mod manifests;
+mod shell;
+
+use manifests::{caller_manifests, web_manifests};
+use shell::{Narrator, say};
 
 use crate::installed;
 use crate::process::wait_for_stop_signal;
 use crate::stack::Binaries;
-use crate::{ClusterTopology, Wan, images, kubeconfig, net};
+use crate::{ClusterTopology, Wan, kubeconfig, net};
 
 const NAMESPACE: &str = "shop";
 const SERVICE: &str = "web";
@@ -47,29 +51,6 @@ pub struct DemoOptions {
     pub requests: usize,
     /// Where the kubeconfig, certificates and logs go (kept with `stay`).
     pub work_dir: Option<PathBuf>,
-}
-
-/// Prints numbered steps with the time since the start.
-struct Narrator {
-    start: Instant,
-    step: usize,
-}
-
-impl Narrator {
-    fn step(&mut self, title: &str) {
-        self.step += 1;
-        println!(
-            "\n\x1b[1m== {}. {title}\x1b[0m  ({:.1}s)",
-            self.step,
-            self.start.elapsed().as_secs_f64()
-        );
-        let _ = std::io::stdout().flush();
-    }
-}
-
-fn say(line: impl AsRef<str>) {
-    println!("   {}", line.as_ref());
-    let _ = std::io::stdout().flush();
 }
 
 /// Runs the demo. With `stay`, waits for Ctrl-C before tearing down.
@@ -184,88 +165,6 @@ impl Demo {
         self.west.as_ref().expect("west is up")
     }
 
-    /// A command with the demo's kubeconfig, so printed commands are the real ones.
-    fn command(&self, program: &str) -> Command {
-        let path = if program == "kubectl" {
-            PathBuf::from("kubectl")
-        } else {
-            self.binaries.path(program)
-        };
-        let mut cmd = Command::new(path);
-        cmd.env("KUBECONFIG", &self.kubeconfig)
-            .current_dir(crate::stack::repository_root());
-        cmd
-    }
-
-    /// Runs `program args` showing the command line and its output; fails on
-    /// a non-zero exit.
-    fn shown(&self, program: &str, args: &[&str]) -> anyhow::Result<String> {
-        say(format!("$ {program} {}", args.join(" ")));
-        let out = self
-            .command(program)
-            .args(args)
-            .output()
-            .with_context(|| format!("run {program}"))?;
-        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        for line in stdout.lines() {
-            say(format!("  {line}"));
-        }
-        ensure!(
-            out.status.success(),
-            "`{program} {}` failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(stdout)
-    }
-
-    /// `left | right`, both real processes, the pipeline shown.
-    fn piped(&self, left: (&str, &[&str]), right: (&str, &[&str])) -> anyhow::Result<()> {
-        say(format!(
-            "$ {} {} | {} {}",
-            left.0,
-            left.1.join(" "),
-            right.0,
-            right.1.join(" ")
-        ));
-        let mut producer = self
-            .command(left.0)
-            .args(left.1)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("run {}", left.0))?;
-        let stdin = producer.stdout.take().context("a pipe")?;
-        let consumer = self
-            .command(right.0)
-            .args(right.1)
-            .stdin(stdin)
-            .output()
-            .with_context(|| format!("run {}", right.0))?;
-        let produced = producer.wait_with_output()?;
-        ensure!(
-            produced.status.success(),
-            "`{} {}` failed ({}): {}",
-            left.0,
-            left.1.join(" "),
-            produced.status,
-            String::from_utf8_lossy(&produced.stderr)
-        );
-        for line in String::from_utf8_lossy(&consumer.stdout).lines() {
-            say(format!("  {line}"));
-        }
-        ensure!(
-            consumer.status.success(),
-            "`{} {}` failed ({}): {}",
-            right.0,
-            right.1.join(" "),
-            consumer.status,
-            String::from_utf8_lossy(&consumer.stderr)
-        );
-        Ok(())
-    }
-
     async fn play(&mut self, options: &DemoOptions) -> anyhow::Result<()> {
         let anchor_dir = self.dir.join("anchor");
         self.narrator
@@ -304,7 +203,7 @@ impl Demo {
             east.cluster().kubeconfig().clone(),
             west.cluster().kubeconfig().clone(),
         ]);
-        crate::stack::write_private(&self.kubeconfig, &kubeconfig::to_yaml(&merged)?)?;
+        crate::files::write_private(&self.kubeconfig, &kubeconfig::to_yaml(&merged)?)?;
         for t in [&east, &west] {
             let lan = t.network();
             self.leftovers.interfaces.push(lan.host_interface().into());
@@ -508,29 +407,6 @@ impl Demo {
         Ok(())
     }
 
-    /// `kubectl --context <context> apply -f -` of `manifests`, shown.
-    fn apply_shown(&self, context: &str, manifests: &str) -> anyhow::Result<()> {
-        say(format!("$ kubectl --context {context} apply -f - <<EOF"));
-        for line in manifests.lines() {
-            say(format!("  {line}"));
-        }
-        say("EOF");
-        let out = crate::kubectl_output(
-            &self.kubeconfig,
-            &["--context", context, "apply", "-f", "-"],
-            Some(manifests),
-        );
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            say(format!("  {line}"));
-        }
-        ensure!(
-            out.status.success(),
-            "kubectl --context {context} apply failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
     /// West's gateway pod: its name, address and node.
     async fn gateway_pod(&self) -> anyhow::Result<evidence::PodInfo> {
         evidence::PodInfo::find(
@@ -557,33 +433,6 @@ impl Demo {
                 "west",
             ],
         )?;
-        Ok(())
-    }
-
-    /// Runs `strait <args…> --context east`, prints what it says, and fails
-    /// on a non-zero exit (after printing it).
-    fn strait_report(&self, args: &[&str]) -> anyhow::Result<()> {
-        let mut all = args.to_vec();
-        all.extend(["--context", "east"]);
-        say(format!("$ strait {}", all.join(" ")));
-        let out = self
-            .command("strait")
-            .args(&all)
-            .output()
-            .context("run strait")?;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        for line in String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .chain(stderr.lines())
-        {
-            say(format!("  {line}"));
-        }
-        ensure!(
-            out.status.success(),
-            "`strait {}` failed ({}): see its output above",
-            all.join(" "),
-            out.status
-        );
         Ok(())
     }
 
@@ -662,65 +511,4 @@ impl Demo {
         );
         Ok(())
     }
-}
-
-/// West's sample service: a strait-backend pod on each node, and its Service.
-fn web_manifests() -> String {
-    let pod = |name: &str, node: &str| {
-        format!(
-            r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NAMESPACE}, labels: {{app: {SERVICE}}}}}
-spec:
-  serviceAccountName: {SERVICE}
-  nodeSelector: {{kubernetes.io/hostname: {node}}}
-  containers:
-    - name: web
-      image: {image}
-      args: ["--name={name}", "--http=0.0.0.0:8080"]
-      ports: [{{name: http, containerPort: 8080}}]
-      readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
-"#,
-            image = images::BACKEND_IMAGE
-        )
-    };
-    format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n---\n\
-         apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: {SERVICE}, namespace: {NAMESPACE}}}\n---\n\
-         {}---\n{}---\n\
-         apiVersion: v1\nkind: Service\nmetadata: {{name: {SERVICE}, namespace: {NAMESPACE}}}\n\
-         spec:\n  selector: {{app: {SERVICE}}}\n  ports: [{{name: http, port: 80, targetPort: http}}]\n",
-        pod("web-1", "west-node-1"),
-        pod("web-2", "west-node-2"),
-    )
-}
-
-/// East's caller: a pod of ServiceAccount `client` whose app uses its node
-/// proxy through the strait-proxy Service.
-fn caller_manifests() -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata: {{name: {NAMESPACE}}}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {{name: {CALLER_SA}, namespace: {NAMESPACE}}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: {CALLER_SA}, namespace: {NAMESPACE}}}
-spec:
-  serviceAccountName: {CALLER_SA}
-  nodeSelector: {{kubernetes.io/hostname: east-node-1}}
-  containers:
-    - name: app
-      image: {image}
-      args: ["--name={CALLER_SA}", "--http=0.0.0.0:8080"]
-      env:
-        - name: http_proxy
-          value: http://strait-proxy.strait-system.svc.cluster.local:4140
-"#,
-        image = images::BACKEND_IMAGE
-    )
 }

@@ -44,229 +44,30 @@
 //! recreated. Only an uninstall ([`Transparent::release_all`]) takes the
 //! rules out.
 
+mod capture;
+mod enroll;
+
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+
+pub use capture::{CHAIN, DNS_PORT, OUTBOUND_PORT, in_netns, install_rules, remove_rules};
+use capture::{capture, is_netns, release};
+use enroll::MAX_REQUEST;
+pub use enroll::{EnrollClientError, EnrollError, EnrollRequest, EnrollResponse, enroll};
 
 use crate::dns::DnsResponder;
 use crate::drain::{Drain, serve_connections};
 use crate::outbound::Outbound;
 pub use strait_mesh::names::TRANSPARENT_ANNOTATION;
 
-/// Where a pod's outbound TCP is redirected, inside its namespace.
-pub const OUTBOUND_PORT: u16 = 15001;
-/// Where a pod's DNS queries (UDP 53) are redirected, inside its namespace.
-pub const DNS_PORT: u16 = 15053;
-/// The `nat` chain holding the pod's redirection rules.
-pub const CHAIN: &str = "STRAIT_OUTPUT";
 /// How long `add` waits for discovery to see a just-scheduled pod.
 const POD_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-/// The longest enrollment request line accepted.
-const MAX_REQUEST: usize = 4096;
-
-/// One request on the enrollment socket.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "lowercase")]
-pub enum EnrollRequest {
-    /// Capture this pod's traffic; `netns` is the path of its network namespace.
-    Add {
-        namespace: String,
-        name: String,
-        netns: PathBuf,
-    },
-    /// Stop capturing: rules removed, sockets closed.
-    Remove { namespace: String, name: String },
-}
-
-/// The answer to one [`EnrollRequest`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EnrollResponse {
-    pub ok: bool,
-    /// For `add`: whether the pod's traffic is now captured (`false`: the pod
-    /// did not ask for it, see [`TRANSPARENT_ANNOTATION`]).
-    #[serde(default)]
-    pub captured: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// The `iptables` argument lists that install the redirection, in order.
-pub fn install_rules() -> Vec<Vec<String>> {
-    let rule = |s: &str| -> Vec<String> {
-        ["-w", "-t", "nat"]
-            .into_iter()
-            .map(String::from)
-            .chain(s.split_whitespace().map(String::from))
-            .collect()
-    };
-    vec![
-        rule(&format!("-N {CHAIN}")),
-        rule(&format!(
-            "-A {CHAIN} -p udp --dport 53 -j REDIRECT --to-ports {DNS_PORT}"
-        )),
-        rule(&format!("-A {CHAIN} -d 127.0.0.0/8 -j RETURN")),
-        rule(&format!(
-            "-A {CHAIN} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"
-        )),
-        rule(&format!("-A OUTPUT -j {CHAIN}")),
-    ]
-}
-
-/// The `iptables` argument lists that remove it (each may fail harmlessly
-/// when that part is already gone).
-pub fn remove_rules() -> Vec<Vec<String>> {
-    [
-        format!("-D OUTPUT -j {CHAIN}"),
-        format!("-F {CHAIN}"),
-        format!("-X {CHAIN}"),
-    ]
-    .iter()
-    .map(|s| {
-        ["-w", "-t", "nat"]
-            .into_iter()
-            .map(String::from)
-            .chain(s.split_whitespace().map(String::from))
-            .collect()
-    })
-    .collect()
-}
-
-/// Runs `f` on a thread that has entered the network namespace at `netns`.
-/// Sockets made there stay in that namespace; processes started there
-/// (`iptables`) run in it. Blocking: call from `spawn_blocking`.
-pub fn in_netns<T: Send + 'static>(
-    netns: &Path,
-    f: impl FnOnce() -> io::Result<T> + Send + 'static,
-) -> io::Result<T> {
-    let file = std::fs::File::open(netns).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("opening network namespace {}: {e}", netns.display()),
-        )
-    })?;
-    std::thread::spawn(move || {
-        rustix::thread::move_into_link_name_space(
-            file.as_fd(),
-            Some(rustix::thread::LinkNameSpaceType::Network),
-        )
-        .map_err(|e| {
-            io::Error::other(format!(
-                "entering the network namespace: {e} (the proxy needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
-            ))
-        })?;
-        f()
-    })
-    .join()
-    .map_err(|_| io::Error::other("the network-namespace thread panicked"))?
-}
-
-fn iptables(args: &[String]) -> io::Result<()> {
-    let out = Command::new("iptables").args(args).output().map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!(
-                "running iptables: {e}; install iptables on the node (the proxy image ships it)"
-            ),
-        )
-    })?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(io::Error::other(format!(
-            "iptables {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
-}
-
-/// The sockets made inside one pod's namespace.
-struct PodSockets {
-    tcp: std::net::TcpListener,
-    dns: std::net::UdpSocket,
-}
-
-/// Inside the pod's namespace: sockets bound, then the rules (re)installed
-/// unless exactly ours are in place. The sockets share their ports
-/// (`SO_REUSEPORT`, root's only) with those of the proxy this one replaces,
-/// which serves until it stops: during a rollout both take the pod's
-/// connections, and the rules are never out, so nothing leaves the mesh.
-fn capture(netns: &Path) -> io::Result<PodSockets> {
-    in_netns(netns, || {
-        use socket2::{Domain, Protocol, Socket, Type};
-        // Loopback only: REDIRECT sends the pod's own connections to
-        // 127.0.0.1, and nothing outside the pod can reach these sockets and
-        // pass for the pod. (UDP must answer from the address it was asked
-        // at, or conntrack cannot undo the redirection on the answer.)
-        let bind = |kind: Type, protocol: Protocol, port: u16| -> io::Result<Socket> {
-            let socket = Socket::new(Domain::IPV4, kind, Some(protocol))?;
-            socket.set_reuse_address(true)?;
-            socket.set_reuse_port(true)?;
-            socket.set_nonblocking(true)?;
-            let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
-            socket.bind(&addr.into())?;
-            Ok(socket)
-        };
-        let tcp = bind(Type::STREAM, Protocol::TCP, OUTBOUND_PORT)?;
-        tcp.listen(1024)?;
-        let dns = bind(Type::DGRAM, Protocol::UDP, DNS_PORT)?;
-        if !rules_in_place() {
-            for args in remove_rules() {
-                let _ = iptables(&args);
-            }
-            for args in install_rules() {
-                iptables(&args)?;
-            }
-        }
-        Ok(PodSockets {
-            tcp: tcp.into(),
-            dns: dns.into(),
-        })
-    })
-}
-
-/// Whether the namespace holds exactly the rules [`install_rules`] makes.
-fn rules_in_place() -> bool {
-    let rules = install_rules();
-    let checks = rules[1..].iter().all(|args| {
-        let check: Vec<String> = args
-            .iter()
-            .map(|a| {
-                if a == "-A" {
-                    "-C".to_string()
-                } else {
-                    a.clone()
-                }
-            })
-            .collect();
-        iptables(&check).is_ok()
-    });
-    let listed = Command::new("iptables")
-        .args(["-w", "-t", "nat", "-S", CHAIN])
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map(|out| String::from_utf8_lossy(&out.stdout).lines().count());
-    // `-N` plus the chain's own rules (the jump from OUTPUT is not listed).
-    checks && listed == Some(rules.len() - 1)
-}
-
-fn release(netns: &Path) -> io::Result<()> {
-    in_netns(netns, || {
-        for args in remove_rules() {
-            let _ = iptables(&args);
-        }
-        Ok(())
-    })
-}
 
 struct Enrolled {
     netns: PathBuf,
@@ -355,15 +156,11 @@ impl Transparent {
                 Ok(_) => {}
             }
             let answer = if !line.ends_with('\n') {
-                Err(format!(
-                    "request longer than {MAX_REQUEST} bytes or not ended by a newline"
-                ))
+                Err(EnrollError::TooLong)
             } else {
                 match serde_json::from_str::<EnrollRequest>(&line) {
                     Ok(request) => self.apply(request).await,
-                    Err(e) => Err(format!(
-                        "not an enrollment request ({e}); send {{\"op\":\"add\",\"namespace\":…,\"name\":…,\"netns\":…}} or {{\"op\":\"remove\",…}}"
-                    )),
+                    Err(e) => Err(EnrollError::NotARequest(e)),
                 }
             };
             let response = match answer {
@@ -375,7 +172,7 @@ impl Transparent {
                 Err(e) => EnrollResponse {
                     ok: false,
                     captured: false,
-                    error: Some(e),
+                    error: Some(e.to_string()),
                 },
             };
             let mut bytes = serde_json::to_vec(&response).expect("serializable");
@@ -390,7 +187,7 @@ impl Transparent {
     }
 
     /// Applies one request; for `add`, whether the pod is captured.
-    pub async fn apply(&self, request: EnrollRequest) -> Result<bool, String> {
+    pub async fn apply(&self, request: EnrollRequest) -> Result<bool, EnrollError> {
         let _one = self.changes.lock().await;
         match request {
             EnrollRequest::Add {
@@ -404,7 +201,12 @@ impl Transparent {
         }
     }
 
-    async fn add(&self, namespace: String, name: String, netns: PathBuf) -> Result<bool, String> {
+    async fn add(
+        &self,
+        namespace: String,
+        name: String,
+        netns: PathBuf,
+    ) -> Result<bool, EnrollError> {
         // Kubernetes names (they also name the state file).
         let valid = |s: &str| {
             !s.is_empty()
@@ -414,9 +216,7 @@ impl Transparent {
                 && !s.starts_with('.')
         };
         if !valid(&namespace) || !valid(&name) {
-            return Err(format!(
-                "{namespace:?}/{name:?} is not a pod's namespace and name (lower-case letters, digits, '-' and '.')"
-            ));
+            return Err(EnrollError::InvalidName { namespace, name });
         }
         // The plugin runs when the pod's sandbox is made, moments after the
         // pod was scheduled here: give discovery a little time to see it.
@@ -432,11 +232,12 @@ impl Transparent {
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
                 None => {
-                    return Err(format!(
-                        "pod {namespace}/{name} is not scheduled to node {} as far as the proxy \
-                         knows (waited {POD_WAIT:?}); is the proxy's discovery healthy?",
-                        self.outbound.node
-                    ));
+                    return Err(EnrollError::UnknownPod {
+                        namespace,
+                        name,
+                        node: self.outbound.node.clone(),
+                        waited: POD_WAIT,
+                    });
                 }
             }
         };
@@ -455,12 +256,19 @@ impl Transparent {
             .remove(&key);
         drop(old);
         let path = netns.clone();
-        let sockets = tokio::task::spawn_blocking(move || capture(&path))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("capturing pod {namespace}/{name}: {e}"))?;
-        let tcp = tokio::net::TcpListener::from_std(sockets.tcp).map_err(|e| e.to_string())?;
-        let dns = tokio::net::UdpSocket::from_std(sockets.dns).map_err(|e| e.to_string())?;
+        let captured = async {
+            let sockets = tokio::task::spawn_blocking(move || capture(&path))
+                .await
+                .map_err(io::Error::other)??;
+            let tcp = tokio::net::TcpListener::from_std(sockets.tcp)?;
+            let dns = tokio::net::UdpSocket::from_std(sockets.dns)?;
+            io::Result::Ok((tcp, dns))
+        };
+        let (tcp, dns) = captured.await.map_err(|source| EnrollError::Capture {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            source,
+        })?;
         let outbound = self.outbound.clone();
         let (ns, pod, drain) = (namespace.clone(), name.clone(), self.drain.clone());
         let tcp_task = tokio::spawn(serve_connections(
@@ -593,7 +401,7 @@ impl Transparent {
         released
     }
 
-    async fn remove(&self, namespace: &str, name: &str) -> Result<(), String> {
+    async fn remove(&self, namespace: &str, name: &str) -> Result<(), EnrollError> {
         if let Some(file) = self.state_file(namespace, name) {
             match std::fs::remove_file(&file) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => {
@@ -613,12 +421,19 @@ impl Transparent {
         let netns = enrolled.netns.clone();
         drop(enrolled);
         tracing::info!(pod = %format!("{namespace}/{name}"), "transparent mode off");
-        match tokio::task::spawn_blocking(move || release(&netns)).await {
-            Ok(Ok(())) => Ok(()),
+        let released = tokio::task::spawn_blocking(move || release(&netns))
+            .await
+            .map_err(io::Error::other)
+            .flatten();
+        match released {
+            Ok(()) => Ok(()),
             // The namespace is gone with its pod: nothing left to clean.
-            Ok(Err(e)) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(EnrollError::Release {
+                namespace: namespace.into(),
+                name: name.into(),
+                source,
+            }),
         }
     }
 
@@ -627,14 +442,6 @@ impl Transparent {
         self.pods.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
-
-/// Whether `path` is a network namespace (nsfs), not a leftover file.
-fn is_netns(path: &Path) -> bool {
-    rustix::fs::statfs(path).is_ok_and(|fs| fs.f_type == NSFS_MAGIC)
-}
-
-/// `NSFS_MAGIC` of linux/magic.h.
-const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 
 /// One capture, written whole (rename) with mode 0600.
 fn write_state(file: &Path, request: &EnrollRequest) -> io::Result<()> {
@@ -645,73 +452,4 @@ fn write_state(file: &Path, request: &EnrollRequest) -> io::Result<()> {
     std::fs::write(&tmp, serde_json::to_vec(request).map_err(io::Error::other)?)?;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
     std::fs::rename(&tmp, file)
-}
-
-/// The client side of enrollment (what a CNI plugin does): one request on
-/// the proxy's socket, its answer (for `add`: whether the pod is captured).
-pub async fn enroll(socket: &Path, request: &EnrollRequest) -> Result<bool, String> {
-    let mut stream = UnixStream::connect(socket).await.map_err(|e| {
-        format!(
-            "connecting to the proxy's enrollment socket {}: {e}",
-            socket.display()
-        )
-    })?;
-    let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
-    line.push(b'\n');
-    stream.write_all(&line).await.map_err(|e| e.to_string())?;
-    let mut answer = String::new();
-    BufReader::new(stream)
-        .read_line(&mut answer)
-        .await
-        .map_err(|e| e.to_string())?;
-    let response: EnrollResponse =
-        serde_json::from_str(&answer).map_err(|e| format!("the proxy answered {answer:?}: {e}"))?;
-    match response {
-        EnrollResponse {
-            ok: true, captured, ..
-        } => Ok(captured),
-        EnrollResponse { error, .. } => Err(error.unwrap_or_else(|| "refused".into())),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn requests_read_as_a_cni_plugin_writes_them() {
-        let add: EnrollRequest = serde_json::from_str(
-            r#"{"op":"add","namespace":"shop","name":"web-0","netns":"/var/run/netns/cni-1"}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            add,
-            EnrollRequest::Add {
-                namespace: "shop".into(),
-                name: "web-0".into(),
-                netns: "/var/run/netns/cni-1".into()
-            }
-        );
-        let remove: EnrollRequest =
-            serde_json::from_str(r#"{"op":"remove","namespace":"shop","name":"web-0"}"#).unwrap();
-        assert!(matches!(remove, EnrollRequest::Remove { .. }));
-        assert!(serde_json::from_str::<EnrollRequest>(r#"{"op":"add","name":"x"}"#).is_err());
-    }
-
-    #[test]
-    fn rules_redirect_dns_then_skip_loopback_then_take_all_tcp() {
-        let rules: Vec<String> = install_rules().iter().map(|r| r.join(" ")).collect();
-        assert_eq!(
-            rules,
-            [
-                "-w -t nat -N STRAIT_OUTPUT",
-                "-w -t nat -A STRAIT_OUTPUT -p udp --dport 53 -j REDIRECT --to-ports 15053",
-                "-w -t nat -A STRAIT_OUTPUT -d 127.0.0.0/8 -j RETURN",
-                "-w -t nat -A STRAIT_OUTPUT -p tcp -j REDIRECT --to-ports 15001",
-                "-w -t nat -A OUTPUT -j STRAIT_OUTPUT",
-            ]
-        );
-        let undo: Vec<String> = remove_rules().iter().map(|r| r.join(" ")).collect();
-        assert_eq!(undo[0], "-w -t nat -D OUTPUT -j STRAIT_OUTPUT");
-    }
 }
