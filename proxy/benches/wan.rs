@@ -70,10 +70,9 @@ fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
 }
 
 async fn gateway_metric(gw: &strait_testenv::NetPod, name: &str, having: &[&str]) -> f64 {
-    let text =
-        strait_testenv::issuer::http_get(SocketAddr::new(IpAddr::V4(gw.ip()), 4191), "/metrics")
-            .await
-            .unwrap_or_default();
+    let text = strait_testenv::http_get(SocketAddr::new(IpAddr::V4(gw.ip()), 4191), "/metrics")
+        .await
+        .unwrap_or_default();
     metric_sum(&text, name, having)
 }
 

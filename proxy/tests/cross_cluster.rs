@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use strait_mesh::identity::ca;
 use strait_testenv::NetPod;
-use strait_testenv::issuer::http_get;
+use strait_testenv::http_get;
 use strait_testenv::net::root_or_skip;
 use strait_testenv::wait::eventually;
 use strait_testenv::wan::{self, Wan};

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
-use strait_testenv::issuer::http_get;
+use strait_testenv::http_get;
 use strait_testenv::process::rss_kib;
 use strait_testenv::wait::eventually;
 

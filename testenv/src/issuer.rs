@@ -76,28 +76,10 @@ impl RunningIssuer {
     }
 
     pub async fn metrics(&self) -> String {
-        http_get(self.admin, "/metrics")
+        crate::http_get(self.admin, "/metrics")
             .await
             .expect("the issuer's admin port answers")
     }
-}
-
-/// One plain `GET` to an admin port (`/ready`, `/metrics`): the raw response.
-pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
-    use tokio::io::AsyncReadExt;
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connecting to {addr}: {e}"))?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(out)
 }
 
 /// Installs the issuer's RBAC from deploy/ with the stock kubectl, gives the

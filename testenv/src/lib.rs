@@ -23,6 +23,7 @@ pub mod demo;
 pub mod dns;
 pub mod files;
 pub mod fixture;
+pub mod http;
 pub mod images;
 pub mod installed;
 pub mod issuer;
@@ -38,7 +39,8 @@ pub mod wait;
 pub mod wan;
 pub mod workloads;
 
-pub use cluster::{Cluster, ClusterConfig, ClusterError, http_get};
+pub use cluster::{Cluster, ClusterConfig, ClusterError};
+pub use http::http_get;
 pub use net::{ClusterNetwork, NetNode, NetPod};
 pub use topology::ClusterTopology;
 pub use wan::Wan;

@@ -7,7 +7,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::Api;
 
-use super::{CONTROLLERS, Cluster, ClusterError, http_get, wait_ready};
+use super::{CONTROLLERS, Cluster, ClusterError, wait_ready};
+use crate::http_get;
 use crate::process::ChildProcess;
 
 impl Cluster {
@@ -293,8 +294,8 @@ impl Cluster {
         let ready = SocketAddr::from(([127, 0, 0, 1], self.ports.coredns_ready));
         wait_ready(&self.config.name, "coredns", &mut child, || async move {
             match http_get(ready, "/ready").await {
-                Ok(body) if body.trim() == "OK" => Ok(()),
-                Ok(body) => Err(format!("/ready said {body}")),
+                Ok(answer) if answer.starts_with("HTTP/1.1 200") => Ok(()),
+                Ok(answer) => Err(format!("/ready said {answer}")),
                 Err(e) => Err(format!("/ready: {e}")),
             }
         })

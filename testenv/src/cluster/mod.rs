@@ -567,26 +567,3 @@ where
         delay = (delay * 2).min(Duration::from_millis(200));
     }
 }
-
-/// A plain-HTTP GET (etcd's health endpoint, a component's /metrics), with a
-/// short timeout.
-pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
-    use http_body_util::{BodyExt, Empty};
-    use hyper_util::client::legacy::Client as HttpClient;
-    use hyper_util::rt::TokioExecutor;
-    let client = HttpClient::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
-    let uri: hyper::Uri = format!("http://{addr}{path}")
-        .parse()
-        .map_err(|e| format!("{e}"))?;
-    let response = tokio::time::timeout(Duration::from_secs(2), client.get(uri))
-        .await
-        .map_err(|_| "timed out".to_string())?
-        .map_err(|e| e.to_string())?;
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok(String::from_utf8_lossy(&body).into_owned())
-}
