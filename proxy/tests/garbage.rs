@@ -7,10 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use strait_mesh::identity::SpiffeId;
-use strait_mesh::identity::tls::{CertSlot, TrustBundle};
 use strait_mesh::tunnel::{MAGIC, TunnelResponse, VERSION};
 use strait_proxy::identity::{TUNNEL_ALPN, server_name_for};
-use strait_testenv::issuer::workload_token;
 use strait_testenv::process::{is_alive, rss_kib};
 use strait_testenv::wait::eventually;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -92,17 +90,7 @@ fn refused_over_tls(what: &str, answer: &[u8]) {
 /// A client for the inbound port with the `client` ServiceAccount's identity
 /// from the issuer, expecting the server to be `server`.
 async fn mtls_config(mesh: &Mesh, server: &SpiffeId) -> Arc<rustls::ClientConfig> {
-    let client = mesh.topology.cluster().client();
-    let token = workload_token(&client, "shop", "client").await;
-    let (response, key) = mesh.issuer.client().issue(&token, None).await.unwrap();
-    let slot = CertSlot::new();
-    let mut chain =
-        strait_mesh::identity::certs::parse_certs("leaf", response.certificate.as_bytes()).unwrap();
-    chain.extend(
-        strait_mesh::identity::certs::parse_certs("chain", response.chain.as_bytes()).unwrap(),
-    );
-    slot.install(chain, &key).unwrap();
-    let bundle = TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (slot, bundle) = issued_identity(mesh, "shop", "client").await;
     Arc::new(
         strait_mesh::identity::tls::client_config(
             &bundle,

@@ -10,11 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use strait_mesh::identity::SpiffeId;
-use strait_mesh::identity::tls::{CertSlot, TrustBundle};
 use strait_mesh::tunnel::{Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse};
 use strait_proxy::identity::{TUNNEL_ALPN, server_name_for};
 use strait_testenv::NetNode;
-use strait_testenv::issuer::workload_token;
 use strait_testenv::wait::eventually;
 
 mod common;
@@ -232,17 +230,7 @@ async fn inbound_attempt(
     server_id: &SpiffeId,
     target: SocketAddr,
 ) -> TunnelResponse {
-    let client = mesh.topology.cluster().client();
-    let token = workload_token(&client, "shop", "client").await;
-    let (response, key) = mesh.issuer.client().issue(&token, None).await.unwrap();
-    let slot = CertSlot::new();
-    let mut chain =
-        strait_mesh::identity::certs::parse_certs("leaf", response.certificate.as_bytes()).unwrap();
-    chain.extend(
-        strait_mesh::identity::certs::parse_certs("chain", response.chain.as_bytes()).unwrap(),
-    );
-    slot.install(chain, &key).unwrap();
-    let bundle = TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (slot, bundle) = issued_identity(mesh, "shop", "client").await;
     let config = strait_mesh::identity::tls::client_config(
         &bundle,
         slot,
