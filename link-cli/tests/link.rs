@@ -11,32 +11,9 @@ use serde_json::json;
 use strait_mesh::link::Link;
 use strait_testenv::wait::{eventually, until_exists};
 use strait_testenv::workloads::ensure_namespace;
-use strait_testenv::{Cluster, kubeconfig, kubectl};
+use strait_testenv::{Cluster, kubectl};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-/// One kubeconfig with contexts east and west, and the committed Link CRD
-/// installed in east with the stock kubectl.
-fn kubeconfig_with_crd(east: &Cluster, west: &Cluster) -> (tempfile::TempDir, std::path::PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("kubeconfig");
-    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
-    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
-    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
-    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
-    kubectl(
-        &kc,
-        &[
-            "--context",
-            "east",
-            "wait",
-            "--for=condition=Established",
-            "crd/links.multicluster.strait.dev",
-        ],
-        None,
-    );
-    (dir, kc)
-}
 
 fn claims(jwt: &str) -> serde_json::Value {
     use base64::Engine as _;
@@ -54,7 +31,7 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
     let (ec, wc) = (east.client(), west.client());
-    let (_dir, kc) = kubeconfig_with_crd(&east, &west);
+    let (_dir, kc) = strait_testenv::kubeconfig_with_link_crd(&east, &west);
 
     // Install the committed CRD with kubectl; run the controller on east.
     // The controller runs as its ServiceAccount with the RBAC from deploy/, not as admin.
@@ -230,7 +207,7 @@ async fn the_controller_renews_the_link_token_before_it_expires() {
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
     let (ec, wc) = (east.client(), west.client());
-    let (_dir, kc) = kubeconfig_with_crd(&east, &west);
+    let (_dir, kc) = strait_testenv::kubeconfig_with_link_crd(&east, &west);
     // Renew after 1 % of a 10-minute token (the API server's shortest): ~6 s.
     let controller = tokio::spawn(strait_mirror::run(
         ec.clone(),

@@ -113,3 +113,38 @@ pub fn kubectl(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>)
 pub fn kubectl_apply(cluster: &Cluster, file: &str) {
     kubectl(&cluster.kubeconfig_path(), &["apply", "-f", file], None);
 }
+
+/// One kubeconfig with contexts `east` and `west` (in a new temporary
+/// folder, returned with it), and the committed Link CRD
+/// (`deploy/mirror/crd.yaml`) installed in east with the stock kubectl.
+pub fn kubeconfig_with_link_crd(
+    east: &Cluster,
+    west: &Cluster,
+) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let kc = dir.path().join("kubeconfig");
+    let merged = kubeconfig::merge([east.kubeconfig().clone(), west.kubeconfig().clone()]);
+    std::fs::write(
+        &kc,
+        kubeconfig::to_yaml(&merged).expect("kubeconfig as YAML"),
+    )
+    .expect("write the kubeconfig");
+    let crd = stack::deploy_file("mirror/crd.yaml");
+    kubectl(
+        &kc,
+        &["--context", "east", "apply", "-f", &crd.to_string_lossy()],
+        None,
+    );
+    kubectl(
+        &kc,
+        &[
+            "--context",
+            "east",
+            "wait",
+            "--for=condition=Established",
+            "crd/links.multicluster.strait.dev",
+        ],
+        None,
+    );
+    (dir, kc)
+}

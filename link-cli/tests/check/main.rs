@@ -53,29 +53,10 @@ async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {
     let (gw_pod, gw) = mesh::start_gateway(&mut west, 0, &[]).await;
     let mut gw = Some(gw);
 
-    // One kubeconfig with contexts east and west.
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("kubeconfig");
-    let merged = kubeconfig::merge([
-        east.topology.cluster().kubeconfig().clone(),
-        west.topology.cluster().kubeconfig().clone(),
-    ]);
-    std::fs::write(&kc, kubeconfig::to_yaml(&merged).unwrap()).unwrap();
-
-    // East: the CRD (the committed file, with kubectl), shop, the controller.
-    let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/mirror/crd.yaml");
-    kubectl(&kc, &["--context", "east", "apply", "-f", crd], None);
-    kubectl(
-        &kc,
-        &[
-            "--context",
-            "east",
-            "wait",
-            "--for=condition=Established",
-            "crd/links.multicluster.strait.dev",
-        ],
-        None,
-    );
+    // One kubeconfig with contexts east and west; east: the CRD (the
+    // committed file, with kubectl), shop, the controller.
+    let (_dir, kc) =
+        strait_testenv::kubeconfig_with_link_crd(east.topology.cluster(), west.topology.cluster());
     ensure_namespace(&ec, "shop").await.unwrap();
     let mirror_dir = tempfile::tempdir().unwrap();
     let mut mirror = start_mirror(&east, mirror_dir.path()).await;
