@@ -2,10 +2,10 @@
 //!
 //! - **Speaking for someone else.** A stream's header may name the original
 //!   caller (`source`); only a node proxy may do that (it holds the identities
-//!   of the pods on its node and has proven its own): the rule is
-//!   [`strait_mesh::names::may_speak_for_others`], shared with the node
-//!   proxies. Anyone else is the caller itself, and a `source` from it is
-//!   refused.
+//!   of the pods on its node and has proven its own), and only for callers of
+//!   its own trust domain: the rule is [`strait_mesh::names::may_speak_for`],
+//!   shared with the node proxies. Anyone else is the caller itself, and a
+//!   `source` from it is refused.
 //! - **Calling a Service.** `strait.dev/allowed-identities` on the exported
 //!   Service lists who may call it (SPIFFE IDs; `*` matches one whole path
 //!   segment or the trust domain). Unset: any identity under the shared trust
@@ -14,10 +14,10 @@
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::names::Carrier;
 
-/// Whether `peer` may name another caller in a stream header sent to a
-/// gateway.
-pub fn may_speak_for_others(peer: &SpiffeId) -> bool {
-    strait_mesh::names::may_speak_for_others(Carrier::Gateway, peer)
+/// Whether `peer` may name `claimed` as the caller in a stream header sent
+/// to a gateway.
+pub fn may_speak_for(peer: &SpiffeId, claimed: &SpiffeId) -> bool {
+    strait_mesh::names::may_speak_for(Carrier::Gateway, peer, claimed)
 }
 
 /// An entry of `strait.dev/allowed-identities` that is not a pattern.
@@ -109,16 +109,20 @@ mod tests {
     }
 
     #[test]
-    fn only_node_proxies_speak_for_others() {
-        assert!(may_speak_for_others(&id(
-            "spiffe://east.strait/ns/strait-system/sa/strait-proxy"
-        )));
+    fn only_node_proxies_speak_for_others_of_their_own_trust_domain() {
+        let caller = id("spiffe://east.strait/ns/shop/sa/client");
+        let proxy = id("spiffe://east.strait/ns/strait-system/sa/strait-proxy");
+        assert!(may_speak_for(&proxy, &caller));
+        assert!(!may_speak_for(
+            &proxy,
+            &id("spiffe://west.strait/ns/shop/sa/client")
+        ));
         for other in [
             "spiffe://east.strait/ns/shop/sa/strait-proxy",
             "spiffe://east.strait/ns/strait-system/sa/strait-mirror",
             "spiffe://east.strait/ns/shop/sa/web",
         ] {
-            assert!(!may_speak_for_others(&id(other)), "{other}");
+            assert!(!may_speak_for(&id(other), &caller), "{other}");
         }
     }
 

@@ -22,7 +22,9 @@ impl std::fmt::Display for ServiceName {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
-    #[error("{peer} may not speak for {claimed}: only node proxies may")]
+    #[error(
+        "{peer} may not speak for {claimed}: only node proxies may, and only for callers of their own trust domain"
+    )]
     SourceClaim { peer: SpiffeId, claimed: SpiffeId },
     #[error("a gateway delivers to exported Services by name, not to pods")]
     NotAService,

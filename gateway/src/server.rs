@@ -435,7 +435,7 @@ impl Gateway {
         peer: &SpiffeId,
     ) -> Result<(strait_mesh::io::ClientTls, StreamLabels), Refusal> {
         let caller = match &header.source {
-            Some(source) if policy::may_speak_for_others(peer) => source.clone(),
+            Some(source) if policy::may_speak_for(peer, source) => source.clone(),
             Some(source) => {
                 return Err(Refusal::SourceClaim {
                     peer: peer.clone(),

@@ -37,7 +37,7 @@ async fn main() {
     let certs = env_usize("STRAIT_BENCH_CERTS", 500);
     let handshakes = env_usize("STRAIT_BENCH_HANDSHAKES", 3000);
     let (anchor, issuer) =
-        ca::new_anchor_and_issuer("east", Duration::from_secs(365 * 24 * 3600)).unwrap();
+        ca::new_anchor_and_issuer("east", None, Duration::from_secs(365 * 24 * 3600)).unwrap();
     let east = strait_testenv::Cluster::start("east")
         .await
         .expect("start cluster");

@@ -35,7 +35,9 @@ pub struct IssuerConfig {
     pub issuer_cert: PathBuf,
     pub issuer_key: PathBuf,
     pub trust_anchors: PathBuf,
-    pub trust_domain: String,
+    /// `None`: the trust domain the issuer certificate is constrained to, else
+    /// cluster.local (an issuer made before per-cluster trust domains).
+    pub trust_domain: Option<String>,
     pub leaf_validity: Duration,
     pub node_agents: Vec<String>,
     /// DNS names in the issuer's own serving certificate.
@@ -56,6 +58,14 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
     let anchors = read(&config.trust_anchors)?;
     let signer =
         LeafSigner::load(&pair, &anchors).context("the issuer certificate cannot be used")?;
+    let trust_domain = match (&config.trust_domain, signer.trust_domain()) {
+        (Some(given), Some(pinned)) if given != pinned => anyhow::bail!(
+            "--trust-domain {given} disagrees with the issuer certificate, which may only certify {pinned}: drop the flag, or make an issuer for {given} with `strait identity issuer --trust-domain {given}`"
+        ),
+        (Some(given), _) => given.clone(),
+        (None, Some(pinned)) => pinned.to_string(),
+        (None, None) => strait_mesh::names::LEGACY_TRUST_DOMAIN.to_string(),
+    };
     let issuer_info = certs::inspect(
         "issuer",
         &certs::parse_certs("issuer", pair.cert_pem.as_bytes())?[0],
@@ -71,11 +81,7 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
                 })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let own_id = SpiffeId::new(
-        &config.trust_domain,
-        &config.namespace,
-        &config.service_account,
-    )?;
+    let own_id = SpiffeId::new(&trust_domain, &config.namespace, &config.service_account)?;
 
     let client = kube::Client::try_default()
         .await
@@ -87,7 +93,7 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
     let admin_addr = admin::spawn(config.admin, readiness.clone(), Arc::new(registry)).await?;
 
     let settings = IssuerSettings {
-        trust_domain: config.trust_domain.clone(),
+        trust_domain: trust_domain.clone(),
         leaf_validity: config.leaf_validity,
         node_agents,
     };
@@ -143,7 +149,7 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("bind the issuer port {}", config.listen))?;
     tracing::info!(
-        listen = %listener.local_addr()?, admin = %admin_addr, trust_domain = %config.trust_domain,
+        listen = %listener.local_addr()?, admin = %admin_addr, trust_domain = %trust_domain,
         issuer = %issuer_info.subject, issuer_expires = %issuer_info.not_after, "identity issuer ready"
     );
     readiness.set_ready(true);

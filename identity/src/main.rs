@@ -28,9 +28,10 @@ struct Args {
     /// Trust-anchor bundle, PEM (one or more roots).
     #[arg(long, default_value = "/var/run/strait/issuer/ca.crt")]
     trust_anchors: PathBuf,
-    /// Trust domain of issued SPIFFE IDs.
-    #[arg(long, env = "STRAIT_TRUST_DOMAIN", default_value = "cluster.local")]
-    trust_domain: String,
+    /// Trust domain of issued SPIFFE IDs. Default: the one the issuer certificate is
+    /// name-constrained to (else cluster.local); if given, it must agree.
+    #[arg(long, env = "STRAIT_TRUST_DOMAIN")]
+    trust_domain: Option<String>,
     /// Validity of issued certificates (e.g. 24h, 90m).
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     leaf_validity: Duration,

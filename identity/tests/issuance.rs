@@ -47,8 +47,8 @@ fn refused(result: Result<ManagedIdentity, IssueError>) -> (u16, String, String)
 async fn east_and_west_workloads_complete_mutual_tls_and_see_each_others_spiffe_id() {
     let anchor = ca::new_trust_anchor("strait trust anchor", YEAR).unwrap();
     let (east_issuer, west_issuer) = (
-        ca::new_issuer(&anchor, "east", YEAR / 2).unwrap(),
-        ca::new_issuer(&anchor, "west", YEAR / 2).unwrap(),
+        ca::new_issuer(&anchor, "east", None, YEAR / 2).unwrap(),
+        ca::new_issuer(&anchor, "west", None, YEAR / 2).unwrap(),
     );
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
@@ -116,14 +116,14 @@ async fn east_and_west_workloads_complete_mutual_tls_and_see_each_others_spiffe_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_under_a_foreign_anchor_or_with_expired_certificates_are_refused() {
     let anchor = ca::new_trust_anchor("strait trust anchor", YEAR).unwrap();
-    let issuer = ca::new_issuer(&anchor, "east", YEAR / 2).unwrap();
+    let issuer = ca::new_issuer(&anchor, "east", None, YEAR / 2).unwrap();
     let east = Cluster::start("east").await.unwrap();
     let ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "24h").await;
     let web = identity(&ei, workload_token(&east.client(), "shop", "web").await).await;
     let server = spawn_mtls_server(&ei.bundle, web.cert()).await;
 
     // A peer whose chain ends at another anchor, with a plausible identity.
-    let (foreign_anchor, foreign_issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let (foreign_anchor, foreign_issuer) = ca::new_anchor_and_issuer("east", None, YEAR).unwrap();
     let foreign = LeafSigner::load(&foreign_issuer, &foreign_anchor.cert_pem).unwrap();
     let forged_id = SpiffeId::new("east.strait", "shop", "web").unwrap();
     let forged = slot_with(
@@ -235,7 +235,7 @@ fn slot_with_window(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_only_buy_their_own_identity_and_bad_tokens_buy_nothing() {
-    let (anchor, issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let (anchor, issuer) = ca::new_anchor_and_issuer("east", None, YEAR).unwrap();
     let east = Cluster::start("east").await.unwrap();
     let ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "24h").await;
     let client = east.client();
@@ -330,7 +330,7 @@ async fn tokens_only_buy_their_own_identity_and_bad_tokens_buy_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_proxy_gets_identities_of_pods_on_its_node_only() {
-    let (anchor, issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let (anchor, issuer) = ca::new_anchor_and_issuer("east", None, YEAR).unwrap();
     let east = Cluster::start("east").await.unwrap();
     let ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "24h").await;
     let client = east.client();
@@ -434,8 +434,8 @@ async fn anchor_rotation_peers_under_old_and_new_roots_interoperate() {
     let new = ca::new_trust_anchor("strait anchor 2027", YEAR).unwrap();
     let bundle = format!("{}{}", old.cert_pem, new.cert_pem);
     let (east_issuer, west_issuer) = (
-        ca::new_issuer(&old, "east", YEAR / 2).unwrap(),
-        ca::new_issuer(&new, "west", YEAR / 2).unwrap(),
+        ca::new_issuer(&old, "east", None, YEAR / 2).unwrap(),
+        ca::new_issuer(&new, "west", None, YEAR / 2).unwrap(),
     );
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
@@ -467,7 +467,7 @@ async fn anchor_rotation_peers_under_old_and_new_roots_interoperate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_lived_connection_pool_keeps_working_across_one_minute_certificate_refreshes() {
-    let (anchor, issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let (anchor, issuer) = ca::new_anchor_and_issuer("east", None, YEAR).unwrap();
     let east = Cluster::start("east").await.unwrap();
     let ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "1m").await;
     let web = identity(&ei, workload_token(&east.client(), "shop", "web").await).await;
@@ -517,7 +517,7 @@ async fn a_long_lived_connection_pool_keeps_working_across_one_minute_certificat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_an_issuer_outage_the_valid_certificate_stays_and_refresh_retries() {
-    let (anchor, issuer) = ca::new_anchor_and_issuer("east", YEAR).unwrap();
+    let (anchor, issuer) = ca::new_anchor_and_issuer("east", None, YEAR).unwrap();
     let east = Cluster::start("east").await.unwrap();
     let mut ei = start_issuer(&east, &issuer, &anchor.cert_pem, "east.strait", "1m").await;
     let metrics = IdentityMetrics::default();

@@ -33,6 +33,14 @@ pub enum IdentityCommand {
         /// Cluster this issuer serves (goes into its name).
         #[arg(long)]
         cluster: String,
+        /// The trust domain the issuer may certify (X.509 name constraint: a leaked
+        /// issuer key cannot mint another cluster's identities); default:
+        /// <cluster>.<clusterset-domain>.
+        #[arg(long)]
+        trust_domain: Option<String>,
+        /// Parent of the default per-cluster trust domains.
+        #[arg(long, default_value = strait_mesh::names::CLUSTERSET_DOMAIN)]
+        clusterset_domain: String,
         /// Validity, e.g. 2160h (90 days). Shorter than the anchor's.
         #[arg(long, default_value = "2160h", value_parser = humantime::parse_duration)]
         validity: Duration,
@@ -111,17 +119,22 @@ pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
             anchor_cert,
             anchor_key,
             cluster,
+            trust_domain,
+            clusterset_domain,
             validity,
             out_dir,
             output,
             namespace,
             trust_anchors,
         } => {
+            let trust_domain = trust_domain.unwrap_or_else(|| {
+                strait_mesh::names::cluster_trust_domain(&cluster, &clusterset_domain)
+            });
             let anchor = PemPair {
                 cert_pem: read(&anchor_cert, "anchor certificate")?,
                 key_pem: read(&anchor_key, "anchor key")?,
             };
-            let issuer = ca::new_issuer(&anchor, &cluster, validity)
+            let issuer = ca::new_issuer(&anchor, &cluster, Some(&trust_domain), validity)
                 .context("refusing to make the issuer")?;
             let bundle = match &trust_anchors {
                 Some(path) => read(path, "trust-anchor bundle")?,
@@ -144,7 +157,7 @@ pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
                     write(&dir, "issuer.key", &issuer.key_pem, true)?;
                     write(&dir, "ca.crt", &bundle, false)?;
                     eprintln!(
-                        "issuer for {cluster}: {}/issuer.crt, issuer.key, ca.crt",
+                        "issuer for {cluster} (trust domain {trust_domain}): {}/issuer.crt, issuer.key, ca.crt",
                         dir.display()
                     );
                 }

@@ -121,9 +121,12 @@ pub struct InstallArgs {
     /// The trust-anchor bundle (PEM, one or more roots); default: DIR/ca.crt.
     #[arg(long)]
     pub trust_anchors: Option<PathBuf>,
-    /// Trust domain of workload identities (spiffe://<trust-domain>/ns/…/sa/…).
-    #[arg(long, default_value = "cluster.local")]
-    pub trust_domain: String,
+    /// Trust domain of workload identities (spiffe://<trust-domain>/ns/…/sa/…). Default: the
+    /// one the issuer is name-constrained to (`strait identity issuer` sets it per cluster);
+    /// for an issuer without a constraint (older installs), cluster.local. If given, it must
+    /// agree with the issuer's constraint.
+    #[arg(long)]
+    pub trust_domain: Option<String>,
     /// The cluster's DNS domain.
     #[arg(long, default_value = "cluster.local")]
     pub cluster_domain: String,
@@ -168,6 +171,7 @@ pub struct UninstallArgs {
 /// The cluster's identity, checked.
 struct ClusterIdentity {
     cluster: String,
+    trust_domain: String,
     issuer_cert: String,
     issuer_key: String,
     bundle: String,
@@ -253,6 +257,17 @@ fn load_identity(args: &InstallArgs) -> anyhow::Result<ClusterIdentity> {
         ),
     };
     check_cluster_name(&cluster)?;
+    let constraints = strait_mesh::identity::trust::Constraints::of_issuer(&issuer_der)
+        .map_err(|e| anyhow::anyhow!("issuer certificate {}: {e}", cert_path.display()))?;
+    let trust_domain = match (&args.trust_domain, constraints.trust_domain()) {
+        (Some(given), Some(pinned)) if given != pinned => bail!(
+            "the issuer {} may only certify trust domain {pinned:?}, not {given:?}: install with --trust-domain {pinned} (or leave it out), or make an issuer for {given} with `strait identity issuer --trust-domain {given}`",
+            cert_path.display()
+        ),
+        (Some(given), _) => given.clone(),
+        (None, Some(pinned)) => pinned.to_string(),
+        (None, None) => strait_mesh::names::LEGACY_TRUST_DOMAIN.to_string(),
+    };
     let left = info.not_after_unix - UnixTime::now().as_secs() as i64;
     if left < 30 * 24 * 3600 {
         eprintln!(
@@ -264,6 +279,7 @@ fn load_identity(args: &InstallArgs) -> anyhow::Result<ClusterIdentity> {
     }
     Ok(ClusterIdentity {
         cluster,
+        trust_domain,
         issuer_cert,
         issuer_key,
         bundle,
@@ -406,14 +422,14 @@ fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>
                     c["imagePullPolicy"] = json!(format!("{policy:?}"));
                 }
                 set_arg(c, "--cluster-name", &id.cluster);
-                set_arg(c, "--trust-domain", &args.trust_domain);
+                set_arg(c, "--trust-domain", &id.trust_domain);
                 set_arg(c, "--cluster-domain", &args.cluster_domain);
             }
         }
         if kind == "Service" && o["metadata"]["name"] == GATEWAY_SERVICE {
             o["metadata"]["annotations"][GATEWAY_IDENTITY_ANNOTATION] = json!(format!(
                 "spiffe://{}/ns/{SYSTEM_NAMESPACE}/sa/{GATEWAY_SERVICE}",
-                args.trust_domain
+                id.trust_domain
             ));
             o["metadata"]["labels"][CLUSTER_NAME_LABEL] = json!(id.cluster);
             if args.gateway_service_type == ServiceType::NodePort {

@@ -21,7 +21,7 @@ use strait_testenv::net::root_or_skip;
 use strait_testenv::stack::metric_sum;
 use strait_testenv::{http_get, kubectl};
 
-const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+const CALLER: &str = "spiffe://east.clusterset.local/ns/shop/sa/client";
 const MIRROR_URL: &str = "http://web-west.shop.svc.cluster.local";
 
 /// One GET of `url` from east's client pod through its node proxy; the body,

@@ -47,7 +47,7 @@ fn get_until(kubeconfig: &Path, url: &str) -> String {
     }
 }
 
-const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+const CALLER: &str = "spiffe://east.clusterset.local/ns/shop/sa/client";
 
 /// GETs `url` from the transparent-mode `app` pod until `done` holds for the
 /// body (30 s); the body.

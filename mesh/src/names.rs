@@ -5,6 +5,18 @@
 
 use crate::identity::SpiffeId;
 
+/// The domain under which each cluster gets its own trust domain by default
+/// (`east.clusterset.local`), after the MCS API's `clusterset.local` zone.
+pub const CLUSTERSET_DOMAIN: &str = "clusterset.local";
+/// The trust domain of installs whose issuer carries no name constraint
+/// (made before per-cluster trust domains): every cluster shared it.
+pub const LEGACY_TRUST_DOMAIN: &str = "cluster.local";
+
+/// The default trust domain of `cluster` under `clusterset_domain`.
+pub fn cluster_trust_domain(cluster: &str, clusterset_domain: &str) -> String {
+    format!("{cluster}.{clusterset_domain}")
+}
+
 /// The prefix of every Strait label and annotation.
 pub const PREFIX: &str = "strait.dev/";
 
@@ -90,15 +102,20 @@ impl Carrier {
     }
 }
 
-/// Whether `peer`, talking to a `receiver`, may name another caller (a
-/// tunnel header's `source`): a node proxy speaks for its node's pods to a
-/// gateway, and a gateway for remote callers to a node proxy. No one else,
-/// and never a carrier to one of its own kind.
-pub fn may_speak_for_others(receiver: Carrier, peer: &SpiffeId) -> bool {
-    matches!(
-        (receiver, Carrier::of(peer)),
-        (Carrier::Gateway, Some(Carrier::NodeProxy)) | (Carrier::NodeProxy, Some(Carrier::Gateway))
-    )
+/// Whether `peer`, talking to a `receiver`, may name `claimed` as the caller
+/// (a tunnel header's `source`): a node proxy speaks for its node's pods to a
+/// gateway, and only for identities of its own trust domain (its cluster's:
+/// with per-cluster trust domains, a node proxy of east cannot claim a
+/// caller of west); a gateway speaks for remote callers to a node proxy. No
+/// one else, and never a carrier to one of its own kind.
+pub fn may_speak_for(receiver: Carrier, peer: &SpiffeId, claimed: &SpiffeId) -> bool {
+    match (receiver, Carrier::of(peer)) {
+        (Carrier::Gateway, Some(Carrier::NodeProxy)) => {
+            claimed.trust_domain() == peer.trust_domain()
+        }
+        (Carrier::NodeProxy, Some(Carrier::Gateway)) => true,
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -113,6 +130,9 @@ mod tests {
     fn node_proxies_speak_to_gateways_and_gateways_to_node_proxies_only() {
         let proxy = id("strait-system", "strait-proxy");
         let gateway = id("strait-system", "strait-gateway");
+        let caller = id("shop", "client");
+        let may_speak_for_others =
+            |receiver, peer: &SpiffeId| may_speak_for(receiver, peer, &caller);
         assert!(may_speak_for_others(Carrier::Gateway, &proxy));
         assert!(may_speak_for_others(Carrier::NodeProxy, &gateway));
         assert!(!may_speak_for_others(Carrier::Gateway, &gateway));
@@ -128,5 +148,21 @@ mod tests {
         }
         let elsewhere = SpiffeId::new("west.local", "strait-system", "strait-proxy").unwrap();
         assert_eq!(Carrier::of(&elsewhere), Some(Carrier::NodeProxy));
+    }
+
+    #[test]
+    fn a_node_proxy_speaks_only_for_its_own_trust_domain() {
+        let east_proxy = SpiffeId::new("east.cs", "strait-system", "strait-proxy").unwrap();
+        let east_caller = SpiffeId::new("east.cs", "shop", "client").unwrap();
+        let west_caller = SpiffeId::new("west.cs", "shop", "client").unwrap();
+        assert!(may_speak_for(Carrier::Gateway, &east_proxy, &east_caller));
+        assert!(!may_speak_for(Carrier::Gateway, &east_proxy, &west_caller));
+        // A gateway carries callers of every linked cluster.
+        let west_gateway = SpiffeId::new("west.cs", "strait-system", "strait-gateway").unwrap();
+        assert!(may_speak_for(
+            Carrier::NodeProxy,
+            &west_gateway,
+            &east_caller
+        ));
     }
 }

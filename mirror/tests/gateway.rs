@@ -32,7 +32,7 @@ struct Pki {
 }
 
 fn pki() -> Pki {
-    let (anchor, issuer) = ca::new_anchor_and_issuer("west", DAY).unwrap();
+    let (anchor, issuer) = ca::new_anchor_and_issuer("west", None, DAY).unwrap();
     Pki {
         bundle: TrustBundle::from_pem(anchor.cert_pem.as_bytes()).unwrap(),
         signer: LeafSigner::load(&issuer, &anchor.cert_pem).unwrap(),

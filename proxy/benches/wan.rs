@@ -159,7 +159,14 @@ async fn main() {
     wan.expose_pod(&gw_pod, &[4143]).unwrap();
     let east_api = east.topology.cluster().client();
     add_client(&mut east, 0).await;
-    mirror_service(&east_api, "web", "west", IpAddr::V4(gw_pod.ip())).await;
+    mirror_service(
+        &east_api,
+        "web",
+        "west",
+        IpAddr::V4(gw_pod.ip()),
+        &west.trust_domain,
+    )
+    .await;
     eventually("east reaches west", WAIT, || async {
         answered_by(&curl(&east, &[URL]))
     })
@@ -169,12 +176,18 @@ async fn main() {
     // handshake vs TCP + TLS, each with mutual TLS as a node proxy.
     let signer = LeafSigner::load(&west.issuer_pair, &west.anchor.cert_pem).unwrap();
     let bundle = TrustBundle::from_pem(west.anchor.cert_pem.as_bytes()).unwrap();
-    let me: SpiffeId = "spiffe://cluster.local/ns/strait-system/sa/strait-proxy"
-        .parse()
-        .unwrap();
-    let gateway_id: SpiffeId = "spiffe://cluster.local/ns/strait-system/sa/strait-gateway"
-        .parse()
-        .unwrap();
+    let me: SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-proxy",
+        west.trust_domain
+    )
+    .parse()
+    .unwrap();
+    let gateway_id: SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        west.trust_domain
+    )
+    .parse()
+    .unwrap();
     let cert = signer.new_identity(&me, Duration::from_secs(3600)).unwrap();
     let gw_addr = SocketAddr::new(IpAddr::V4(gw_pod.ip()), 4143);
     let client_tls = tls::client_config(
@@ -211,7 +224,14 @@ async fn main() {
     // west. (socat is the CONNECT shim in the client pod, as in bench-bulk.)
     let (_iperf_pod, _iperf_server) = iperf_server(&west, 0, ("echo", 9000)).await;
     export(&west_api, "iperf", true).await;
-    mirror_service(&east_api, "iperf", "west", IpAddr::V4(gw_pod.ip())).await;
+    mirror_service(
+        &east_api,
+        "iperf",
+        "west",
+        IpAddr::V4(gw_pod.ip()),
+        &west.trust_domain,
+    )
+    .await;
     let client_pod = &east.pods["client"].0;
     let _shim = client_pod
         .spawn(

@@ -12,7 +12,7 @@ use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
 use strait_mesh::identity::{SpiffeId, SpiffeIdError};
 use strait_mesh::io::{ReadAhead, ServerTls as PeerTls};
-use strait_mesh::names::{CLIENT_ID_HEADER, Carrier, may_speak_for_others};
+use strait_mesh::names::{CLIENT_ID_HEADER, Carrier, may_speak_for};
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
@@ -179,7 +179,7 @@ impl Inbound {
         // caller is a misconfiguration or an attack.
         let caller = match &header.source {
             Some(source)
-                if may_speak_for_others(Carrier::NodeProxy, client)
+                if may_speak_for(Carrier::NodeProxy, client, source)
                     && client.trust_domain() == self.identities.trust_domain() =>
             {
                 source.clone()

@@ -24,7 +24,8 @@ mod common;
 use common::*;
 
 const MIRROR_URL: &str = "http://web-west.shop.svc.cluster.local";
-const CALLER: &str = "spiffe://cluster.local/ns/shop/sa/client";
+/// East's caller, in east's own trust domain.
+const CALLER: &str = "spiffe://east.clusterset.local/ns/shop/sa/client";
 
 async fn gateway_metrics(pod: &NetPod) -> String {
     http_get(
@@ -129,7 +130,14 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     // East: the caller, and the mirror the mirror controller would write.
     let east_api = east.topology.cluster().client();
     add_client(&mut east, 0).await;
-    mirror_service(&east_api, "web", "west", IpAddr::V4(gw_ip)).await;
+    mirror_service(
+        &east_api,
+        "web",
+        "west",
+        IpAddr::V4(gw_ip),
+        &west.trust_domain,
+    )
+    .await;
 
     // 1. HTTP/1 through the node proxy's HTTP proxy port.
     let url = format!("{MIRROR_URL}/cross");

@@ -251,7 +251,7 @@ async fn garbage_oversized_input_and_idle_connections_neither_crash_hang_nor_blo
         .await;
         refused_over_tls("4143 noise", &answer);
     }
-    let here: SpiffeId = format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/client")
+    let here: SpiffeId = format!("spiffe://{}/ns/shop/sa/client", mesh.trust_domain)
         .parse()
         .unwrap();
     let config = mtls_config(&mesh, &here).await;

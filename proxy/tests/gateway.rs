@@ -45,8 +45,8 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     let (gw_pod, gw) = start_gateway(&mut mesh, 2, &[]).await;
     mesh.proxies.push(gw);
     let gw_ip = std::net::IpAddr::V4(gw_pod.ip());
-    mirror_service(&client, "web", "west", gw_ip).await;
-    mirror_service(&client, "slow", "west", gw_ip).await;
+    mirror_service(&client, "web", "west", gw_ip, &mesh.trust_domain).await;
+    mirror_service(&client, "slow", "west", gw_ip, &mesh.trust_domain).await;
 
     // UDP to the gateway blocked from the caller's node: QUIC cannot connect,
     // TCP + TLS carries the traffic.
@@ -66,7 +66,7 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     let v: serde_json::Value = serde_json::from_str(first.1.trim()).unwrap();
     assert_eq!(
         v["headers"]["strait-client-id"],
-        format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/client"),
+        format!("spiffe://{}/ns/shop/sa/client", mesh.trust_domain),
         "the pod learns the original caller, not the gateway: {v}"
     );
     let m = gateway_metrics(&gw_pod).await;
@@ -138,9 +138,12 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     // controller would, with its own certificate under the anchor.
     let (cert, bundle) = component_identity(&mesh, "strait-mirror");
     let prober = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();
-    let gateway_id = format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")
-        .parse()
-        .unwrap();
+    let gateway_id = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
     let gw_addr = std::net::SocketAddr::new(gw_ip, 4143);
     let (rtt, transport) = prober.probe(gw_addr, &gateway_id).await.unwrap();
     assert_eq!(transport, "quic");
@@ -152,10 +155,12 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
         "{m}"
     );
     // A gateway that is not the Link's gateway identity fails the probe.
-    let wrong: strait_mesh::identity::SpiffeId =
-        format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/impostor")
-            .parse()
-            .unwrap();
+    let wrong: strait_mesh::identity::SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/impostor",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
     assert!(prober.probe(gw_addr, &wrong).await.is_err());
 
     // Opaque TCP through CONNECT to the mirror's echo port.
@@ -236,10 +241,12 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
     let pid = gw.pid().unwrap();
     mesh.proxies.push(gw);
     let (cert, bundle) = component_identity(&mesh, "strait-proxy");
-    let gateway_id: strait_mesh::identity::SpiffeId =
-        format!("spiffe://{TRUST_DOMAIN}/ns/strait-system/sa/strait-gateway")
-            .parse()
-            .unwrap();
+    let gateway_id: strait_mesh::identity::SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
     let tls = strait_mesh::identity::tls::client_config(
         &bundle,
         cert,

@@ -259,7 +259,7 @@ async fn the_inbound_side_delivers_only_to_pods_on_its_own_node() {
     let Some(mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
         return;
     };
-    let web: SpiffeId = format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/web")
+    let web: SpiffeId = format!("spiffe://{}/ns/shop/sa/web", mesh.trust_domain)
         .parse()
         .unwrap();
     let web1 = SocketAddr::new(IpAddr::V4(pod(&mesh, "web-1").ip()), 8080);

@@ -207,13 +207,17 @@ async fn an_enrolled_pod_reaches_services_by_name_with_no_proxy_settings() {
         &app,
         &[
             "-H",
-            "strait-client-id: spiffe://cluster.local/ns/shop/sa/admin",
+            &format!(
+                "strait-client-id: spiffe://{}/ns/shop/sa/admin",
+                mesh.trust_domain
+            ),
             "http://web.shop.svc.cluster.local/who",
         ],
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
-        v["headers"]["strait-client-id"], "spiffe://cluster.local/ns/shop/sa/client",
+        v["headers"]["strait-client-id"],
+        format!("spiffe://{}/ns/shop/sa/client", mesh.trust_domain),
         "{v}"
     );
 

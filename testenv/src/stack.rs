@@ -20,9 +20,6 @@ use strait_mesh::names::TOKEN_AUDIENCE;
 use crate::files::write_private;
 use crate::issuer;
 
-/// Trust domain of every identity in the stack (both clusters share it, as
-/// clusters under one anchor usually do).
-pub const TRUST_DOMAIN: &str = "cluster.local";
 /// Lifetime of the identity tokens (a projected token's usual hour); the
 /// demo refreshes them at half of it.
 pub const IDENTITY_TOKEN_TTL: Duration = Duration::from_secs(3600);

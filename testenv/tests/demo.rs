@@ -169,11 +169,11 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
     );
     // The west pod saw the east caller's SPIFFE ID.
     assert!(
-        out.contains("caller identity seen by the west pod (strait-client-id): spiffe://cluster.local/ns/shop/sa/client"),
+        out.contains("caller identity seen by the west pod (strait-client-id): spiffe://east.clusterset.local/ns/shop/sa/client"),
         "{out}"
     );
     assert!(
-        out.contains("\"strait-client-id\":\"spiffe://cluster.local/ns/shop/sa/client\""),
+        out.contains("\"strait-client-id\":\"spiffe://east.clusterset.local/ns/shop/sa/client\""),
         "{out}"
     );
     assert!(

@@ -574,8 +574,8 @@ mod tests {
         use strait_mesh::identity::ca;
         let day = std::time::Duration::from_secs(86_400);
         let der = |pem: &str| certs::parse_certs("t", pem.as_bytes()).unwrap()[0].to_vec();
-        let (a1, i1) = ca::new_anchor_and_issuer("east", day).unwrap();
-        let (a2, _) = ca::new_anchor_and_issuer("west", day).unwrap();
+        let (a1, i1) = ca::new_anchor_and_issuer("east", None, day).unwrap();
+        let (a2, _) = ca::new_anchor_and_issuer("west", None, day).unwrap();
         assert_eq!(signed_by(&der(&i1.cert_pem), &[der(&a1.cert_pem)]), Some(0));
         assert_eq!(
             signed_by(&der(&i1.cert_pem), &[der(&a2.cert_pem), der(&a1.cert_pem)]),

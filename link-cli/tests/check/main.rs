@@ -25,7 +25,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 mod support;
 use support::*;
-const GATEWAY_ID: &str = "spiffe://cluster.local/ns/strait-system/sa/strait-gateway";
+const GATEWAY_ID: &str = "spiffe://west.clusterset.local/ns/strait-system/sa/strait-gateway";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_passes_on_a_healthy_pair_and_names_each_injected_fault() {

@@ -394,7 +394,8 @@ async fn install_applied_with_kubectl_then_link_reads_the_gateway_and_uninstall_
     assert_eq!(spec["gatewayPort"], 31443);
     assert_eq!(
         spec["gatewayIdentity"],
-        "spiffe://cluster.local/ns/strait-system/sa/strait-gateway"
+        "spiffe://east.clusterset.local/ns/strait-system/sa/strait-gateway",
+        "the gateway's identity is in the trust domain its issuer is constrained to"
     );
     assert_eq!(spec["probe"]["period"], "3s");
     assert_eq!(spec["probe"]["timeout"], "2s");

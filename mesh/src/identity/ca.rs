@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType, SerialNumber,
+    BasicConstraints, CertificateParams, CustomExtension, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType,
+    SerialNumber,
 };
 use ring::rand::SecureRandom;
 use rustls::pki_types::{CertificateDer, UnixTime};
@@ -40,6 +41,36 @@ pub enum CaError {
     TooShort(Duration),
     #[error("installing the new certificate: {0}")]
     Slot(String),
+    #[error(
+        "{id} is outside this issuer's trust domain {trust_domain}: it may only certify spiffe://{trust_domain}/…"
+    )]
+    OutsideTrustDomain { id: String, trust_domain: String },
+    #[error("issuer certificate: {0}")]
+    Constraints(String),
+}
+
+/// OID of the X.509 NameConstraints extension.
+const NAME_CONSTRAINTS_OID: &[u64] = &[2, 5, 29, 30];
+
+/// DER of a NameConstraints extension permitting only URIs whose host is
+/// `trust_domain` (RFC 5280 §4.2.1.10; a SPIFFE ID's host is its trust domain).
+pub fn trust_domain_constraint(trust_domain: &str) -> Vec<u8> {
+    use yasna::Tag;
+    yasna::construct_der(|w| {
+        w.write_sequence(|w| {
+            // permittedSubtrees [0] IMPLICIT GeneralSubtrees
+            w.next().write_tagged_implicit(Tag::context(0), |w| {
+                w.write_sequence(|w| {
+                    // GeneralSubtree { base: uniformResourceIdentifier [6] IMPLICIT IA5String }
+                    w.next().write_sequence(|w| {
+                        w.next().write_tagged_implicit(Tag::context(6), |w| {
+                            w.write_ia5_string(trust_domain)
+                        });
+                    });
+                });
+            });
+        });
+    })
 }
 
 fn random_serial() -> SerialNumber {
@@ -97,8 +128,15 @@ pub fn new_trust_anchor(common_name: &str, validity: Duration) -> Result<PemPair
 }
 
 /// A new issuer (intermediate CA) for one cluster, signed by the anchor. The
-/// anchor is checked first: it must be a valid CA whose key matches.
-pub fn new_issuer(anchor: &PemPair, cluster: &str, validity: Duration) -> Result<PemPair, CaError> {
+/// anchor is checked first: it must be a valid CA whose key matches. With a
+/// trust domain, the issuer is name-constrained to it (critical extension):
+/// verifiers refuse any leaf it signs for another trust domain.
+pub fn new_issuer(
+    anchor: &PemPair,
+    cluster: &str,
+    trust_domain: Option<&str>,
+    validity: Duration,
+) -> Result<PemPair, CaError> {
     if validity < Duration::from_secs(60) {
         return Err(CaError::TooShort(validity));
     }
@@ -114,12 +152,20 @@ pub fn new_issuer(anchor: &PemPair, cluster: &str, validity: Duration) -> Result
     let anchor_key = KeyPair::from_pem(&anchor.key_pem)?;
     let anchor_issuer = Issuer::from_ca_cert_pem(&anchor.cert_pem, anchor_key)?;
     let key = KeyPair::generate()?;
-    let params = ca_params(
+    let mut params = ca_params(
         &format!("strait issuer {cluster}"),
         OffsetDateTime::now_utc(),
         validity,
         Some(0),
     );
+    if let Some(td) = trust_domain {
+        // Checked as a SPIFFE trust domain before it goes into a certificate.
+        SpiffeId::new(td, "ns", "sa").map_err(|e| CaError::Constraints(e.to_string()))?;
+        let mut ext =
+            CustomExtension::from_oid_content(NAME_CONSTRAINTS_OID, trust_domain_constraint(td));
+        ext.set_criticality(true);
+        params.custom_extensions.push(ext);
+    }
     let cert = params.signed_by(&key, &anchor_issuer)?;
     Ok(PemPair {
         cert_pem: cert.pem(),
@@ -131,6 +177,7 @@ pub fn new_issuer(anchor: &PemPair, cluster: &str, validity: Duration) -> Result
 pub struct LeafSigner {
     issuer: CertifiedIssuerPem,
     not_after: OffsetDateTime,
+    constraints: super::trust::Constraints,
 }
 
 struct CertifiedIssuerPem {
@@ -160,6 +207,8 @@ impl LeafSigner {
             UnixTime::now(),
         )?;
         let info = certs::inspect("issuer certificate", &chain[0])?;
+        let constraints =
+            super::trust::Constraints::of_issuer(&chain[0]).map_err(CaError::Constraints)?;
         let key = KeyPair::from_pem(&issuer.key_pem)?;
         let not_after = OffsetDateTime::from_unix_timestamp(info.not_after_unix)
             .unwrap_or(OffsetDateTime::UNIX_EPOCH);
@@ -169,7 +218,13 @@ impl LeafSigner {
                 cert_pem: issuer.cert_pem.clone(),
             },
             not_after,
+            constraints,
         })
+    }
+
+    /// The one trust domain this issuer is constrained to, if any.
+    pub fn trust_domain(&self) -> Option<&str> {
+        self.constraints.trust_domain()
     }
 
     /// PEM of the issuer certificate, sent with every leaf as its chain.
@@ -197,6 +252,13 @@ impl LeafSigner {
         validity: Duration,
         dns_names: &[String],
     ) -> Result<SignedLeaf, CaError> {
+        // Never sign what every verifier would refuse.
+        if !self.constraints.permits(&id.to_string()) {
+            return Err(CaError::OutsideTrustDomain {
+                id: id.to_string(),
+                trust_domain: self.constraints.describe(),
+            });
+        }
         let now = OffsetDateTime::now_utc();
         let mut params = CertificateParams::default();
         params.distinguished_name = DistinguishedName::new();
@@ -258,11 +320,13 @@ pub struct SignedLeaf {
 }
 
 /// Makes an anchor plus its issuer in one go; for tests and the local demo.
+/// The issuer is constrained to `trust_domain` when one is given.
 pub fn new_anchor_and_issuer(
     cluster: &str,
+    trust_domain: Option<&str>,
     validity: Duration,
 ) -> Result<(PemPair, PemPair), CaError> {
     let anchor = new_trust_anchor("strait trust anchor", validity * 2)?;
-    let issuer = new_issuer(&anchor, cluster, validity)?;
+    let issuer = new_issuer(&anchor, cluster, trust_domain, validity)?;
     Ok((anchor, issuer))
 }

@@ -134,6 +134,31 @@ fn format_ip(bytes: &[u8]) -> String {
     }
 }
 
+/// Every URI SAN of a certificate (none if it cannot be read).
+pub fn uri_sans(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = X509Certificate::from_der(der) else {
+        return Vec::new();
+    };
+    let Ok(Some(ext)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    ext.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::URI(u) => Some(u.to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The issuer's distinguished name of a certificate, for messages.
+pub fn issuer_name(der: &[u8]) -> Option<String> {
+    X509Certificate::from_der(der)
+        .ok()
+        .map(|(_, c)| c.issuer().to_string())
+}
+
 /// The SPIFFE ID in a certificate's URI SANs; Strait certificates carry exactly one.
 pub fn spiffe_id_of(der: &[u8]) -> Option<SpiffeId> {
     let cert = X509Certificate::from_der(der).ok()?.1;

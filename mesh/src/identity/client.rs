@@ -134,6 +134,8 @@ pub struct IssuerClient {
     server_name: ServerName<'static>,
     tls: tokio_rustls::TlsConnector,
     timeout: Duration,
+    /// The live bundle: certificates are re-fetched when its active anchor changes.
+    bundle: TrustBundle,
 }
 
 impl std::fmt::Debug for IssuerClient {
@@ -154,7 +156,8 @@ impl IssuerClient {
     ) -> Result<Self, super::tls::TlsError> {
         let config = rustls::ClientConfig::builder_with_provider(super::tls::provider())
             .with_protocol_versions(&[&rustls::version::TLS13])?
-            .with_root_certificates(bundle.root_store())
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(super::tls::DnsServerVerifier::new(bundle)))
             .with_no_client_auth();
         let server_name = ServerName::try_from(server_name.to_string())
             .map_err(|e| rustls::Error::General(format!("issuer name {server_name:?}: {e}")))?;
@@ -163,6 +166,7 @@ impl IssuerClient {
             server_name,
             tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
             timeout: Duration::from_secs(10),
+            bundle: bundle.clone(),
         })
     }
 
@@ -274,6 +278,8 @@ struct RefreshLabels {
 pub struct IdentityMetrics {
     expiry: Family<IdentityLabels, Gauge>,
     refreshes: Family<RefreshLabels, Counter>,
+    active_anchor: Family<IdentityLabels, Gauge>,
+    refusals: super::refusals::RefusalLog,
 }
 
 impl IdentityMetrics {
@@ -288,6 +294,17 @@ impl IdentityMetrics {
             "Certificate fetches and refreshes by result (ok or the failure reason)",
             self.refreshes.clone(),
         );
+        registry.register(
+            "identity_cert_chains_to_active_anchor",
+            "1 if the current certificate of each identity chains to the first (active) anchor of the trust bundle, else 0 (a rotation is under way)",
+            self.active_anchor.clone(),
+        );
+        self.refusals.register(registry);
+    }
+
+    /// The handshake refusals of this component's trust bundle.
+    pub fn refusals(&self) -> super::refusals::RefusalLog {
+        self.refusals.clone()
     }
 }
 
@@ -402,9 +419,16 @@ impl Worker {
                 "certificate SAN does not match the identity field".into(),
             ));
         }
+        let active = self.client.bundle.chains_to_active(&chain);
         self.slot
             .install(chain, &key_pem)
             .map_err(|e| IssueError::BadResponse(e.to_string()))?;
+        self.metrics
+            .active_anchor
+            .get_or_create(&IdentityLabels {
+                identity: response.identity.to_string(),
+            })
+            .set(i64::from(active));
         self.expires_at
             .store(response.expires_at, Ordering::Relaxed);
         self.metrics
@@ -417,16 +441,48 @@ impl Worker {
         Ok((issued_at, response.identity))
     }
 
+    /// Whether the installed certificate chains to the bundle's active anchor.
+    fn on_active_anchor(&self) -> bool {
+        self.slot
+            .current()
+            .is_some_and(|c| self.client.bundle.chains_to_active(&c.cert))
+    }
+
+    /// Refreshes at `at_fraction` of each certificate's life, and at once
+    /// (after up to 1 s of jitter, so a node's identities do not all ask in
+    /// the same instant) when the trust bundle's active anchor changes and
+    /// the certificate does not chain to it: a rotation moves every holder to
+    /// the new anchor without a restart. Until the issuer signs under the new
+    /// anchor, the re-fetch is retried with the usual backoff.
     async fn run(self, mut issued_at: i64, ids: watch::Sender<Option<SpiffeId>>) {
+        let mut anchors = self.client.bundle.changes();
+        anchors.mark_unchanged();
         loop {
             let expires = self.expires_at.load(Ordering::Relaxed);
             let lifetime = (expires - issued_at).max(1) as f64;
             let refresh_at = issued_at + (lifetime * self.policy.at_fraction) as i64;
             let wait = Duration::from_secs((refresh_at - unix_now()).max(0) as u64);
-            tokio::time::sleep(wait).await;
+            let rotated = tokio::select! {
+                _ = tokio::time::sleep(wait) => false,
+                changed = anchors.changed() => changed.is_ok(),
+            };
+            if rotated {
+                if self.on_active_anchor() {
+                    continue;
+                }
+                tokio::time::sleep(jitter(Duration::from_secs(1))).await;
+            }
             let mut backoff = self.policy.min_backoff;
             loop {
                 match self.fetch_once().await {
+                    Ok((_, id)) if rotated && !self.on_active_anchor() => {
+                        // Still signed under the old anchor: the issuer has
+                        // not been re-issued yet. Keep it and ask again.
+                        ids.send_replace(Some(id));
+                        tracing::info!(retry_in = ?backoff, "certificate not yet under the active trust anchor");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(self.policy.max_backoff);
+                    }
                     Ok((at, id)) => {
                         issued_at = at;
                         ids.send_replace(Some(id));
@@ -443,6 +499,13 @@ impl Worker {
             }
         }
     }
+}
+
+/// A random duration below `max`.
+fn jitter(max: Duration) -> Duration {
+    let mut bytes = [0u8; 4];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes);
+    max.mul_f64(f64::from(u32::from_le_bytes(bytes)) / f64::from(u32::MAX))
 }
 
 /// Several identities (a node proxy holds one per ServiceAccount of its pods),

@@ -6,8 +6,10 @@ pub mod ca;
 pub mod certs;
 pub mod client;
 pub mod protocol;
+pub mod refusals;
 mod spiffe;
 pub mod tls;
+pub mod trust;
 pub mod workload;
 
 pub use spiffe::{SpiffeId, SpiffeIdError};

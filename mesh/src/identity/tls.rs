@@ -1,11 +1,11 @@
-//! rustls configurations for Strait's mutual TLS: TLS 1.3 only, peers verified
-//! against the trust-anchor bundle, and the peer's SPIFFE ID checked.
+//! rustls configurations for Strait's mutual TLS: TLS 1.3 only, and every
+//! peer verified by [`TrustBundle::verify`] (chain to the live anchor bundle,
+//! issuer name constraints, one SPIFFE ID). The client side also requires the
+//! server's SPIFFE ID to be one it expects; the server side exposes the
+//! client's ID through [`peer_identity`], so policy can decide per request.
+//! Refusals are counted and logged by the bundle's [`RefusalLog`].
 //!
-//! SPIFFE IDs live in URI SANs, which the stock rustls verifiers (DNS/IP names)
-//! cannot check, so the client side uses [`SpiffeServerVerifier`]: webpki chain
-//! verification to the bundle, then an exact SPIFFE ID match. The server side
-//! uses rustls' WebPKI client verifier for the chain and exposes the client's
-//! ID through [`peer_identity`], so policy can decide per request.
+//! [`RefusalLog`]: super::refusals::RefusalLog
 
 use std::sync::Arc;
 
@@ -14,12 +14,16 @@ use rustls::client::ResolvesClientCert;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
+use rustls::{
+    ClientConfig, DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme,
+};
 
 use super::SpiffeId;
 use super::certs::{self, CertError};
+use super::trust::Refusal;
 
 /// The crypto provider every Strait TLS config uses.
 pub fn provider() -> Arc<CryptoProvider> {
@@ -40,45 +44,7 @@ pub enum TlsError {
     NoSpiffeId,
 }
 
-/// The trust anchors a workload accepts. Several roots are allowed, so an
-/// anchor can be rotated without downtime: ship old+new, reissue, drop old.
-#[derive(Clone, Debug)]
-pub struct TrustBundle {
-    roots: Arc<RootCertStore>,
-    anchors: Arc<Vec<rustls::pki_types::TrustAnchor<'static>>>,
-}
-
-impl TrustBundle {
-    pub fn from_pem(pem: &[u8]) -> Result<Self, TlsError> {
-        let certs = certs::parse_certs("trust-anchor bundle", pem)?;
-        let mut roots = RootCertStore::empty();
-        let mut anchors = Vec::new();
-        for (i, der) in certs.iter().enumerate() {
-            roots.add(der.clone())?;
-            let anchor = webpki::anchor_from_trusted_cert(der).map_err(|e| CertError::X509 {
-                what: format!("trust anchor #{}", i + 1),
-                detail: e.to_string(),
-            })?;
-            anchors.push(anchor.to_owned());
-        }
-        Ok(Self {
-            roots: Arc::new(roots),
-            anchors: Arc::new(anchors),
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.anchors.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.anchors.is_empty()
-    }
-
-    pub fn root_store(&self) -> Arc<RootCertStore> {
-        self.roots.clone()
-    }
-}
+pub use super::trust::TrustBundle;
 
 /// The certificate a workload presents, swapped atomically on refresh: configs
 /// built once keep serving the newest certificate without being rebuilt.
@@ -124,14 +90,17 @@ impl ResolvesServerCert for CertSlot {
     }
 }
 
-/// A server config: TLS 1.3, client certificate required and chained to the bundle.
+/// A server config: TLS 1.3, client certificate required, chained to the
+/// bundle within its issuer's name constraints, carrying a SPIFFE ID.
 pub fn server_config(
     bundle: &TrustBundle,
     cert: Arc<CertSlot>,
     alpn: &[&[u8]],
 ) -> Result<ServerConfig, TlsError> {
-    let verifier =
-        WebPkiClientVerifier::builder_with_provider(bundle.root_store(), provider()).build()?;
+    let verifier = Arc::new(SpiffeClientVerifier {
+        bundle: bundle.clone(),
+        provider: provider(),
+    });
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -166,10 +135,10 @@ pub fn peer_identity(peer_certs: Option<&[CertificateDer<'_>]>) -> Result<Spiffe
     certs::spiffe_id_of(leaf).ok_or(TlsError::NoSpiffeId)
 }
 
-/// Verifies a server's chain to the trust bundle (webpki) and its SPIFFE ID.
+/// Verifies a server's chain to the trust bundle and its SPIFFE ID.
 #[derive(Debug)]
 pub struct SpiffeServerVerifier {
-    anchors: Arc<Vec<rustls::pki_types::TrustAnchor<'static>>>,
+    bundle: TrustBundle,
     expected: Vec<SpiffeId>,
     provider: Arc<CryptoProvider>,
 }
@@ -177,9 +146,36 @@ pub struct SpiffeServerVerifier {
 impl SpiffeServerVerifier {
     pub fn new(bundle: &TrustBundle, expected: Vec<SpiffeId>) -> Self {
         Self {
-            anchors: bundle.anchors.clone(),
+            bundle: bundle.clone(),
             expected,
             provider: provider(),
+        }
+    }
+
+    fn check(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), Refusal> {
+        let (id, _) = self.bundle.verify(
+            end_entity,
+            intermediates,
+            now,
+            webpki::KeyUsage::server_auth(),
+        )?;
+        if self.expected.contains(&id) {
+            Ok(())
+        } else {
+            Err(Refusal::WrongIdentity {
+                got: id,
+                expected: self
+                    .expected
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" or "),
+            })
         }
     }
 }
@@ -193,33 +189,12 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         _ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let cert = webpki::EndEntityCert::try_from(end_entity)
-            .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
-        cert.verify_for_usage(
-            self.provider.signature_verification_algorithms.all,
-            &self.anchors,
-            intermediates,
-            now,
-            webpki::KeyUsage::server_auth(),
-            None,
-            None,
-        )
-        .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
-        let id = certs::spiffe_id_of(end_entity).ok_or_else(|| {
-            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
-                Arc::new(TlsError::NoSpiffeId),
-            )))
-        })?;
-        if self.expected.contains(&id) {
-            Ok(ServerCertVerified::assertion())
-        } else {
-            Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::Other(rustls::OtherError(Arc::new(UnexpectedPeer {
-                    got: id,
-                    expected: self.expected.clone(),
-                }))),
-            ))
-        }
+        self.check(end_entity, intermediates, now)
+            .map(|()| ServerCertVerified::assertion())
+            .map_err(|refusal| {
+                self.bundle.refused("client", end_entity, &refusal);
+                refusal.to_rustls()
+            })
     }
 
     fn verify_tls12_signature(
@@ -228,10 +203,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        // Configs are TLS 1.3 only; a 1.2 handshake never gets here.
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls13RequiredForQuic,
-        ))
+        tls12_refused()
     }
 
     fn verify_tls13_signature(
@@ -240,12 +212,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
+        verify_tls13(&self.provider, message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
@@ -255,12 +222,150 @@ impl ServerCertVerifier for SpiffeServerVerifier {
     }
 }
 
-/// The server's SPIFFE ID was valid but not the one the caller expected.
-#[derive(Debug, thiserror::Error)]
-#[error("peer is {got}, expected {}", expected.iter().map(ToString::to_string).collect::<Vec<_>>().join(" or "))]
-pub struct UnexpectedPeer {
-    pub got: SpiffeId,
-    pub expected: Vec<SpiffeId>,
+/// Verifies a client's chain to the trust bundle (the SPIFFE ID is then read
+/// with [`peer_identity`] and decided by policy).
+#[derive(Debug)]
+struct SpiffeClientVerifier {
+    bundle: TrustBundle,
+    provider: Arc<CryptoProvider>,
+}
+
+impl ClientCertVerifier for SpiffeClientVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.bundle
+            .verify(
+                end_entity,
+                intermediates,
+                now,
+                webpki::KeyUsage::client_auth(),
+            )
+            .map(|_| ClientCertVerified::assertion())
+            .map_err(|refusal| {
+                self.bundle.refused("server", end_entity, &refusal);
+                refusal.to_rustls()
+            })
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        tls12_refused()
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13(&self.provider, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// Verifies a server reached by DNS name (the issuer): the chain as for any
+/// peer, then the name against its DNS SANs.
+#[derive(Debug)]
+pub struct DnsServerVerifier {
+    bundle: TrustBundle,
+    provider: Arc<CryptoProvider>,
+}
+
+impl DnsServerVerifier {
+    pub fn new(bundle: &TrustBundle) -> Self {
+        Self {
+            bundle: bundle.clone(),
+            provider: provider(),
+        }
+    }
+}
+
+impl ServerCertVerifier for DnsServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if let Err(refusal) = self.bundle.verify(
+            end_entity,
+            intermediates,
+            now,
+            webpki::KeyUsage::server_auth(),
+        ) {
+            self.bundle.refused("client", end_entity, &refusal);
+            return Err(refusal.to_rustls());
+        }
+        let cert = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
+        cert.verify_is_valid_for_subject_name(server_name)
+            .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        tls12_refused()
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13(&self.provider, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+fn tls12_refused() -> Result<HandshakeSignatureValid, rustls::Error> {
+    // Configs are TLS 1.3 only; a 1.2 handshake never gets here.
+    Err(rustls::Error::PeerIncompatible(
+        rustls::PeerIncompatible::Tls13RequiredForQuic,
+    ))
+}
+
+fn verify_tls13(
+    provider: &CryptoProvider,
+    message: &[u8],
+    cert: &CertificateDer<'_>,
+    dss: &DigitallySignedStruct,
+) -> Result<HandshakeSignatureValid, rustls::Error> {
+    rustls::crypto::verify_tls13_signature(
+        message,
+        cert,
+        dss,
+        &provider.signature_verification_algorithms,
+    )
 }
 
 fn webpki_error(e: webpki::Error) -> rustls::CertificateError {

@@ -1,8 +1,12 @@
 //! How a Strait component (mirror controller, gateway, node proxy) gets its own
 //! identity: the same four flags everywhere, a projected ServiceAccount token
-//! traded at the cluster's issuer for a short-lived certificate kept fresh.
+//! traded at the cluster's issuer for a short-lived certificate kept fresh,
+//! and the trust-anchor file watched: a changed bundle is swapped in live
+//! (verifiers follow at the next handshake; certificates not under the new
+//! active anchor are re-fetched), so a rotation needs no restart.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use super::client::{
     IdentityMetrics, IdentityStore, IssueError, IssuerClient, ManagedIdentity, RefreshPolicy,
@@ -41,6 +45,10 @@ pub struct IdentityArgs {
         default_value = "/var/run/secrets/strait/tokens/identity"
     )]
     pub token_file: PathBuf,
+    /// How often the trust-anchor file is read again (a mounted ConfigMap
+    /// changes in place when the kubelet syncs it).
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub trust_anchors_poll: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -68,18 +76,27 @@ pub struct WorkloadIdentity {
 }
 
 impl IdentityArgs {
-    /// The trust anchors every peer must chain to.
-    pub fn bundle(&self) -> Result<TrustBundle, WorkloadIdentityError> {
+    /// The trust anchors every peer must chain to, read now and then watched
+    /// (every `trust_anchors_poll`) for the life of the process.
+    pub fn bundle(&self, metrics: &IdentityMetrics) -> Result<TrustBundle, WorkloadIdentityError> {
         let pem = std::fs::read(&self.trust_anchors).map_err(|source| {
             WorkloadIdentityError::Anchors {
                 path: self.trust_anchors.clone(),
                 source,
             }
         })?;
-        TrustBundle::from_pem(&pem).map_err(|source| WorkloadIdentityError::BadAnchors {
-            path: self.trust_anchors.clone(),
-            source,
-        })
+        let bundle = TrustBundle::from_pem(&pem)
+            .map_err(|source| WorkloadIdentityError::BadAnchors {
+                path: self.trust_anchors.clone(),
+                source: source.into(),
+            })?
+            .with_refusal_log(metrics.refusals());
+        tokio::spawn(watch_anchors(
+            self.trust_anchors.clone(),
+            bundle.clone(),
+            self.trust_anchors_poll,
+        ));
+        Ok(bundle)
     }
 
     /// A store of identities fetched with this component's token: its own and,
@@ -88,7 +105,7 @@ impl IdentityArgs {
         &self,
         metrics: IdentityMetrics,
     ) -> Result<(IdentityStore, TrustBundle), WorkloadIdentityError> {
-        let bundle = self.bundle()?;
+        let bundle = self.bundle(&metrics)?;
         let client = IssuerClient::new(&self.issuer_addr, &self.issuer_name, &bundle)?;
         let store = IdentityStore::new(
             client,
@@ -106,7 +123,7 @@ impl IdentityArgs {
         &self,
         metrics: IdentityMetrics,
     ) -> Result<WorkloadIdentity, WorkloadIdentityError> {
-        let bundle = self.bundle()?;
+        let bundle = self.bundle(&metrics)?;
         let client = IssuerClient::new(&self.issuer_addr, &self.issuer_name, &bundle)?;
         let token = TokenSource::File(self.token_file.clone());
         let identity = super::client::retry_transient(|| {
@@ -121,4 +138,39 @@ impl IdentityArgs {
         .await?;
         Ok(WorkloadIdentity { identity, bundle })
     }
+}
+
+/// Reads `path` every `every` and swaps a changed bundle into `bundle`. A file
+/// that cannot be read or parsed keeps the last good bundle (logged once per
+/// distinct problem): a half-written ConfigMap must not drop every peer.
+pub async fn watch_anchors(path: PathBuf, bundle: TrustBundle, every: Duration) {
+    let mut last_problem: Option<String> = None;
+    loop {
+        tokio::time::sleep(every).await;
+        match reload(&path, &bundle) {
+            Ok(changed) => {
+                last_problem = None;
+                if changed {
+                    let prints = bundle.fingerprints();
+                    tracing::info!(
+                        path = %path.display(),
+                        anchors = prints.len(),
+                        active = %prints.first().map(|p| &p[..16]).unwrap_or("-"),
+                        "trust anchors changed: verifying peers with the new bundle"
+                    );
+                }
+            }
+            Err(problem) => {
+                if last_problem.as_ref() != Some(&problem) {
+                    tracing::warn!(path = %path.display(), "keeping the last good trust anchors: {problem}");
+                    last_problem = Some(problem);
+                }
+            }
+        }
+    }
+}
+
+fn reload(path: &Path, bundle: &TrustBundle) -> Result<bool, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    bundle.replace_from_pem(&pem).map_err(|e| e.to_string())
 }

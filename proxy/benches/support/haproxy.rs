@@ -75,11 +75,11 @@ pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> 
     };
     let client_pem = write_leaf(
         "client",
-        "spiffe://cluster.local/ns/bench/sa/haproxy-client",
+        &format!("spiffe://{}/ns/bench/sa/haproxy-client", mesh.trust_domain),
     );
     let server_pem = write_leaf(
         "server",
-        "spiffe://cluster.local/ns/bench/sa/haproxy-server",
+        &format!("spiffe://{}/ns/bench/sa/haproxy-server", mesh.trust_domain),
     );
     let ca = dir.join("ca.pem");
     std::fs::write(&ca, &mesh.anchor.cert_pem).unwrap();

@@ -271,9 +271,10 @@ impl Demo {
         say(format!(
             "caller identity seen by the west pod (strait-client-id): {client_id}"
         ));
+        // `strait identity issuer --cluster east` gives east its own trust domain.
         let expected = format!(
             "spiffe://{}/ns/{NAMESPACE}/sa/{CALLER_SA}",
-            crate::stack::TRUST_DOMAIN
+            strait_mesh::names::cluster_trust_domain("east", strait_mesh::names::CLUSTERSET_DOMAIN)
         );
         let mut broken = Vec::new();
         if d.east_outbound < 1.0 {
