@@ -117,27 +117,36 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
         );
         move || -> anyhow::Result<()> {
             let key = rcgen::KeyPair::generate()?;
-            let leaf = service
-                .signer()
-                .sign_with(&key, &own_id, serving_validity, &names)?;
+            let signer = service.signer();
+            let leaf = signer.sign_with(&key, &own_id, serving_validity, &names)?;
             let mut chain = vec![leaf.der];
             chain.extend(certs::parse_certs(
                 "issuer",
-                service.signer().issuer_pem().as_bytes(),
+                signer.issuer_pem().as_bytes(),
             )?);
             slot.install(chain, &key.serialize_pem())?;
             Ok(())
         }
     };
     renew()?;
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(serving_validity.mul_f64(0.7)).await;
-            if let Err(e) = renew() {
-                tracing::error!("renewing the issuer's serving certificate failed: {e:#}");
+    let renew = Arc::new(renew);
+    {
+        let renew = renew.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(serving_validity.mul_f64(0.7)).await;
+                if let Err(e) = renew() {
+                    tracing::error!("renewing the issuer's serving certificate failed: {e:#}");
+                }
             }
-        }
-    });
+        });
+    }
+    tokio::spawn(reload_issuer(
+        config.clone(),
+        trust_domain.clone(),
+        service.clone(),
+        renew,
+    ));
     let mut tls =
         rustls::ServerConfig::builder_with_provider(strait_mesh::identity::tls::provider())
             .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -155,4 +164,78 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
     readiness.set_ready(true);
     server::serve(listener, Arc::new(tls), service).await;
     Ok(())
+}
+
+/// How often the issuer's files (the mounted issuer Secret) are read again.
+const RELOAD_EVERY: Duration = Duration::from_secs(2);
+
+/// Watches the issuer certificate, key and trust anchors: when they change
+/// (a rotation re-issued the issuer), the new issuer is checked as at start
+/// (a CA whose key matches, valid, signed by an anchor of the bundle, and for
+/// the same trust domain) and signs from then on; the serving certificate is
+/// re-signed under it at once. A pair that fails the checks (a half-updated
+/// Secret: new certificate, old key) keeps the running issuer, logged once.
+async fn reload_issuer(
+    config: IssuerConfig,
+    trust_domain: String,
+    service: Arc<IssuerService>,
+    renew: Arc<impl Fn() -> anyhow::Result<()>>,
+) {
+    let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+    let snapshot = || {
+        (
+            read(&config.issuer_cert),
+            read(&config.issuer_key),
+            read(&config.trust_anchors),
+        )
+    };
+    let mut current = snapshot();
+    let mut last_problem = String::new();
+    loop {
+        tokio::time::sleep(RELOAD_EVERY).await;
+        let next = snapshot();
+        if next == current {
+            continue;
+        }
+        let (cert_pem, key_pem, anchors) = next.clone();
+        let loaded = LeafSigner::load(&PemPair { cert_pem, key_pem }, &anchors)
+            .map_err(|e| e.to_string())
+            .and_then(|signer| match signer.trust_domain() {
+                Some(pinned) if pinned != trust_domain => Err(format!(
+                    "the new issuer may only certify {pinned}, this issuer serves {trust_domain}"
+                )),
+                _ => Ok(signer),
+            });
+        match loaded {
+            Ok(signer) => {
+                let not_after = signer_expiry(&signer);
+                service.replace_signer(signer, not_after);
+                current = next;
+                last_problem.clear();
+                match renew() {
+                    Ok(()) => {
+                        tracing::info!("issuer certificate changed: signing with the new issuer")
+                    }
+                    Err(e) => tracing::error!(
+                        "re-signing the serving certificate under the new issuer failed: {e:#}"
+                    ),
+                }
+            }
+            Err(problem) if problem != last_problem => {
+                tracing::warn!(
+                    "keeping the running issuer: the changed issuer files cannot be used: {problem}"
+                );
+                last_problem = problem;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+fn signer_expiry(signer: &LeafSigner) -> i64 {
+    certs::parse_certs("issuer", signer.issuer_pem().as_bytes())
+        .ok()
+        .and_then(|c| certs::inspect("issuer", &c[0]).ok())
+        .map(|i| i.not_after_unix)
+        .unwrap_or(0)
 }

@@ -98,7 +98,8 @@ pub struct IssuerSettings {
 
 /// The issuer: holds the signing key, never hands it out.
 pub struct IssuerService {
-    signer: LeafSigner,
+    /// Swapped whole when the issuer Secret changes (a rotation re-issues it).
+    signer: arc_swap::ArcSwap<LeafSigner>,
     settings: IssuerSettings,
     client: Client,
     metrics: IssuerMetrics,
@@ -122,15 +123,22 @@ impl IssuerService {
     ) -> Self {
         metrics.issuer_expiry.set(issuer_not_after);
         Self {
-            signer,
+            signer: arc_swap::ArcSwap::from_pointee(signer),
             settings,
             client,
             metrics,
         }
     }
 
-    pub fn signer(&self) -> &LeafSigner {
-        &self.signer
+    /// The issuer signing now.
+    pub fn signer(&self) -> std::sync::Arc<LeafSigner> {
+        self.signer.load_full()
+    }
+
+    /// Signs with `signer` from now on (checked by the caller: same trust domain).
+    pub fn replace_signer(&self, signer: LeafSigner, issuer_not_after: i64) {
+        self.metrics.issuer_expiry.set(issuer_not_after);
+        self.signer.store(std::sync::Arc::new(signer));
     }
 
     pub fn trust_domain(&self) -> &str {
@@ -201,14 +209,15 @@ impl IssuerService {
         };
         let id = SpiffeId::new(&self.settings.trust_domain, &namespace, &service_account)
             .map_err(|e| Refusal::new(400, "bad_identity", e.to_string()))?;
-        let leaf = self
-            .signer
+        // One signer for the leaf and the chain sent with it, even mid-rotation.
+        let signer = self.signer();
+        let leaf = signer
             .sign(&request.csr.public_key, &id, self.settings.leaf_validity)
             .map_err(|e| Refusal::new(500, "signing_failed", e.to_string()))?;
         Ok(CertificateResponse {
             identity: id,
             certificate: leaf.pem,
-            chain: self.signer.issuer_pem().to_string(),
+            chain: signer.issuer_pem().to_string(),
             expires_at: leaf.not_after,
         })
     }

@@ -38,6 +38,11 @@ fn ok_stdout(out: Output, what: &str) -> String {
 /// A trust anchor and an issuer for `cluster`, made with the CLI: DIR/anchor/ca.{crt,key}
 /// and DIR/<cluster>/{issuer.crt,issuer.key,ca.crt}.
 fn make_identity(dir: &Path, cluster: &str) -> PathBuf {
+    make_identity_with(dir, cluster, &[])
+}
+
+/// As [`make_identity`], with more `strait identity issuer` flags.
+fn make_identity_with(dir: &Path, cluster: &str, extra: &[&str]) -> PathBuf {
     let anchor = dir.join("anchor");
     if !anchor.join("ca.crt").exists() {
         ok_stdout(
@@ -52,18 +57,23 @@ fn make_identity(dir: &Path, cluster: &str) -> PathBuf {
     }
     let out = dir.join(cluster);
     ok_stdout(
-        strait(&[
-            "identity",
-            "issuer",
-            "--anchor-cert",
-            anchor.join("ca.crt").to_str().unwrap(),
-            "--anchor-key",
-            anchor.join("ca.key").to_str().unwrap(),
-            "--cluster",
-            cluster,
-            "--out-dir",
-            out.to_str().unwrap(),
-        ]),
+        strait(
+            &[
+                "identity",
+                "issuer",
+                "--anchor-cert",
+                anchor.join("ca.crt").to_str().unwrap(),
+                "--anchor-key",
+                anchor.join("ca.key").to_str().unwrap(),
+                "--cluster",
+                cluster,
+                "--out-dir",
+                out.to_str().unwrap(),
+            ]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>(),
+        ),
         "issuer",
     );
     out
@@ -584,15 +594,33 @@ fn install_refuses_a_missing_or_mismatched_identity_saying_what_to_fix() {
         "{err}"
     );
 
-    // A cluster name that cannot be part of object names.
-    let bad = make_identity(dir.path(), "East_1");
+    // A cluster name that cannot be part of object names (with a trust
+    // domain of its own: the default, East_1.clusterset.local, is no name).
+    let bad = make_identity_with(dir.path(), "East_1", &["--trust-domain", "east1.example"]);
     let err = install_error(&["--identity-dir", &s(&bad)]);
     assert!(err.contains("not a DNS label"), "{err}");
 
-    // And the good one renders, named after the issuer's cluster.
+    // A trust domain the issuer is not constrained to.
+    let err = install_error(&[
+        "--identity-dir",
+        &s(&east),
+        "--trust-domain",
+        "west.clusterset.local",
+    ]);
+    assert!(
+        err.contains("may only certify trust domain \"east.clusterset.local\""),
+        "{err}"
+    );
+
+    // And the good one renders, named after the issuer's cluster, in the
+    // trust domain its issuer is constrained to.
     let out = ok_stdout(
         strait(&["install", "--identity-dir", &s(&east)]),
         "strait install",
     );
     assert!(out.contains("--cluster-name=east"), "{out}");
+    assert!(
+        out.contains("--trust-domain=east.clusterset.local"),
+        "{out}"
+    );
 }
