@@ -2,13 +2,13 @@
 //! against this cluster's API server, and — for node proxies asking on behalf
 //! of a pod — whether that pod really runs on the caller's node.
 
-use k8s_openapi::api::authentication::v1::TokenReview;
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewStatus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::json;
 use strait_mesh::identity::protocol::PodRef;
-use strait_mesh::names::TOKEN_AUDIENCE;
+use strait_mesh::names::{LINK_SERVICE_ACCOUNT_PREFIX, TOKEN_AUDIENCE};
 
 /// Extra keys a bound (projected) token's review carries.
 const EXTRA_NODE_NAME: &str = "authentication.kubernetes.io/node-name";
@@ -35,12 +35,27 @@ pub enum AuthError {
         "token refused by TokenReview: {0}; use a projected ServiceAccount token with audience {TOKEN_AUDIENCE}"
     )]
     Unauthenticated(String),
+    #[error(
+        "TokenReview authenticated the token but did not confirm the audience {TOKEN_AUDIENCE} \
+         (status.audiences: {audiences:?}): the API server may ignore audiences, or the token is for \
+         another audience; use a projected ServiceAccount token with audience {TOKEN_AUDIENCE}"
+    )]
+    AudienceNotConfirmed { audiences: Vec<String> },
     #[error("token belongs to {0:?}, not a ServiceAccount")]
     NotServiceAccount(String),
     #[error(
         "TokenReview failed: {0}; check the issuer's RBAC (tokenreviews create) and API server"
     )]
     Review(kube::Error),
+    #[error(
+        "{namespace}/{service_account}: the issuer never certifies ServiceAccounts in namespace {namespace} \
+         (--refuse-namespace): clusters linked to this one hold tokens of accounts there (strait link's \
+         {LINK_SERVICE_ACCOUNT_PREFIX}<cluster>), so such a token proves nothing; run the workload in another namespace"
+    )]
+    RefusedNamespace {
+        namespace: String,
+        service_account: String,
+    },
     #[error("{caller} may not request another pod's identity: only node proxies may")]
     NotNodeAgent { caller: String },
     #[error("cannot tell which node the caller runs on: its token is not bound to a pod on a node")]
@@ -69,8 +84,10 @@ impl AuthError {
         match self {
             AuthError::MissingToken => "missing_token",
             AuthError::Unauthenticated(_) => "unauthenticated",
+            AuthError::AudienceNotConfirmed { .. } => "audience_not_confirmed",
             AuthError::NotServiceAccount(_) => "not_service_account",
             AuthError::Review(_) => "token_review_error",
+            AuthError::RefusedNamespace { .. } => "refused_namespace",
             AuthError::NotNodeAgent { .. } => "not_node_agent",
             AuthError::CallerNodeUnknown => "caller_node_unknown",
             AuthError::PodNotFound { .. } => "pod_not_found",
@@ -82,7 +99,9 @@ impl AuthError {
     /// 401/403 for the caller's fault, 503 when the API server failed us.
     pub fn status(&self) -> u16 {
         match self {
-            AuthError::MissingToken | AuthError::Unauthenticated(_) => 401,
+            AuthError::MissingToken
+            | AuthError::Unauthenticated(_)
+            | AuthError::AudienceNotConfirmed { .. } => 401,
             AuthError::Review(_) | AuthError::PodLookup { .. } => 503,
             _ => 403,
         }
@@ -102,10 +121,22 @@ pub async fn authenticate(client: &Client, token: &str) -> Result<Caller, AuthEr
         .map_err(AuthError::Review)?
         .status
         .unwrap_or_default();
+    caller_of(status)
+}
+
+/// The decision on a TokenReview's answer: authenticated, for Strait's
+/// audience as the API server itself reports it (an API server that ignores
+/// `spec.audiences` would authenticate a token minted for anyone), and a
+/// ServiceAccount.
+pub fn caller_of(status: TokenReviewStatus) -> Result<Caller, AuthError> {
     if status.authenticated != Some(true) {
         return Err(AuthError::Unauthenticated(
             status.error.unwrap_or_else(|| "not authenticated".into()),
         ));
+    }
+    let audiences = status.audiences.unwrap_or_default();
+    if !audiences.iter().any(|a| a == TOKEN_AUDIENCE) {
+        return Err(AuthError::AudienceNotConfirmed { audiences });
     }
     let user = status.user.unwrap_or_default();
     let username = user.username.unwrap_or_default();
@@ -180,6 +211,45 @@ async fn get_pod(client: &Client, namespace: &str, name: &str) -> Result<Pod, Au
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TokenReview answer as the API server writes it.
+    fn answer(authenticated: bool, audiences: Option<&[&str]>) -> TokenReviewStatus {
+        serde_json::from_value(json!({
+            "authenticated": authenticated,
+            "audiences": audiences,
+            "user": {"username": "system:serviceaccount:shop:web",
+                     "extra": {EXTRA_NODE_NAME: ["node-1"]}},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_review_must_confirm_strait_s_audience() {
+        let caller = caller_of(answer(true, Some(&["other", TOKEN_AUDIENCE]))).unwrap();
+        assert_eq!(
+            (caller.namespace.as_str(), caller.service_account.as_str()),
+            ("shop", "web")
+        );
+        assert_eq!(caller.node_name.as_deref(), Some("node-1"));
+        // An API server that ignores spec.audiences answers without them, or
+        // with its own: authenticated, yet not for us.
+        for audiences in [
+            None,
+            Some(&[][..]),
+            Some(&["https://kubernetes.default.svc"][..]),
+        ] {
+            let e = caller_of(answer(true, audiences)).unwrap_err();
+            assert_eq!((e.reason(), e.status()), ("audience_not_confirmed", 401));
+            assert!(
+                e.to_string().contains(
+                    "use a projected ServiceAccount token with audience strait.dev/identity"
+                ),
+                "{e}"
+            );
+        }
+        let e = caller_of(answer(false, Some(&[TOKEN_AUDIENCE]))).unwrap_err();
+        assert_eq!(e.reason(), "unauthenticated");
+    }
 
     #[test]
     fn parses_service_account_usernames() {

@@ -40,6 +40,10 @@ pub struct IssuerConfig {
     pub trust_domain: Option<String>,
     pub leaf_validity: Duration,
     pub node_agents: Vec<String>,
+    /// Namespaces whose ServiceAccounts are never certified.
+    pub refused_namespaces: Vec<String>,
+    /// `<namespace>/<serviceaccount>`s certified although their namespace is refused.
+    pub refusal_exceptions: Vec<String>,
     /// DNS names in the issuer's own serving certificate.
     pub dns_names: Vec<String>,
     /// Namespace and ServiceAccount the issuer runs as (its own SPIFFE ID).
@@ -70,17 +74,19 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
         "issuer",
         &certs::parse_certs("issuer", pair.cert_pem.as_bytes())?[0],
     )?;
-    let node_agents = config
-        .node_agents
-        .iter()
-        .map(|s| {
-            s.split_once('/')
-                .map(|(ns, sa)| (ns.to_string(), sa.to_string()))
-                .with_context(|| {
-                    format!("--node-agent {s:?}: expected <namespace>/<serviceaccount>")
-                })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let accounts = |flag: &str, values: &[String]| {
+        values
+            .iter()
+            .map(|s| {
+                s.split_once('/')
+                    .filter(|(ns, sa)| !ns.is_empty() && !sa.is_empty())
+                    .map(|(ns, sa)| (ns.to_string(), sa.to_string()))
+                    .with_context(|| format!("{flag} {s:?}: expected <namespace>/<serviceaccount>"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
+    let node_agents = accounts("--node-agent", &config.node_agents)?;
+    let refusal_exceptions = accounts("--certify-in-refused", &config.refusal_exceptions)?;
     let own_id = SpiffeId::new(&trust_domain, &config.namespace, &config.service_account)?;
 
     let client = kube::Client::try_default()
@@ -96,6 +102,8 @@ pub async fn run(config: IssuerConfig) -> anyhow::Result<()> {
         trust_domain: trust_domain.clone(),
         leaf_validity: config.leaf_validity,
         node_agents,
+        refused_namespaces: config.refused_namespaces.clone(),
+        refusal_exceptions,
     };
     let service = Arc::new(IssuerService::new(
         signer,

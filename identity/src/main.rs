@@ -3,11 +3,17 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::Parser;
 use strait_identity::IssuerConfig;
+use strait_mesh::names::{LINK_NAMESPACE, MIRROR_SERVICE_ACCOUNT};
 use strait_mesh::telemetry::{LogFormat, init_tracing};
+
+/// The mirror controller's account: it probes gateways as itself, from the link namespace.
+static MIRROR_ACCOUNT: LazyLock<String> =
+    LazyLock::new(|| format!("{LINK_NAMESPACE}/{MIRROR_SERVICE_ACCOUNT}"));
 
 /// Strait identity issuer: signs short-lived SPIFFE certificates for verified ServiceAccount tokens.
 #[derive(Debug, Parser)]
@@ -39,6 +45,15 @@ struct Args {
     /// the identity of pods on their own node. Repeatable.
     #[arg(long = "node-agent", default_value = "strait-system/strait-proxy")]
     node_agents: Vec<String>,
+    /// Namespace whose ServiceAccounts are never certified, because others
+    /// hold their tokens: the link namespace, where `strait link` creates the
+    /// accounts whose tokens linked clusters use. Repeatable.
+    #[arg(long = "refuse-namespace", default_value = LINK_NAMESPACE)]
+    refused_namespaces: Vec<String>,
+    /// ServiceAccount (<namespace>/<name>) certified although its namespace is
+    /// refused (the mirror controller, which probes gateways as itself). Repeatable.
+    #[arg(long = "certify-in-refused", default_value = MIRROR_ACCOUNT.as_str())]
+    refusal_exceptions: Vec<String>,
     /// DNS names for the issuer's serving certificate. Repeatable.
     #[arg(long = "dns-name", default_value = "strait-identity.strait-system.svc")]
     dns_names: Vec<String>,
@@ -72,6 +87,8 @@ async fn main() -> anyhow::Result<()> {
         trust_domain: a.trust_domain,
         leaf_validity: a.leaf_validity,
         node_agents: a.node_agents,
+        refused_namespaces: a.refused_namespaces,
+        refusal_exceptions: a.refusal_exceptions,
         dns_names: a.dns_names,
         namespace: a.namespace,
         service_account: a.service_account,

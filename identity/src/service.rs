@@ -94,6 +94,30 @@ pub struct IssuerSettings {
     /// ServiceAccounts (namespace, name) of node proxies, which may ask for the
     /// identity of pods on their own node.
     pub node_agents: Vec<(String, String)>,
+    /// Namespaces whose ServiceAccounts are never certified: others hold
+    /// their tokens (the link namespace's `strait-link-<cluster>` accounts).
+    pub refused_namespaces: Vec<String>,
+    /// ServiceAccounts (namespace, name) certified although their namespace
+    /// is refused: the mirror controller, which probes gateways as itself.
+    pub refusal_exceptions: Vec<(String, String)>,
+}
+
+impl IssuerSettings {
+    /// Whether the identity of `namespace/service_account` may be certified.
+    pub fn may_certify(&self, namespace: &str, service_account: &str) -> Result<(), AuthError> {
+        let refused = self.refused_namespaces.iter().any(|ns| ns == namespace);
+        let excepted = self
+            .refusal_exceptions
+            .iter()
+            .any(|(ns, sa)| ns == namespace && sa == service_account);
+        if refused && !excepted {
+            return Err(AuthError::RefusedNamespace {
+                namespace: namespace.into(),
+                service_account: service_account.into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The issuer: holds the signing key, never hands it out.
@@ -207,6 +231,8 @@ impl IssuerService {
                 authn::authorize_pod(&self.client, &caller, pod).await?
             }
         };
+        // Whichever way it was named (own token, or a node proxy for its pod).
+        self.settings.may_certify(&namespace, &service_account)?;
         let id = SpiffeId::new(&self.settings.trust_domain, &namespace, &service_account)
             .map_err(|e| Refusal::new(400, "bad_identity", e.to_string()))?;
         // One signer for the leaf and the chain sent with it, even mid-rotation.
@@ -232,7 +258,9 @@ fn static_reason(reason: &str) -> &'static str {
         "bad_pod_ref",
         "missing_token",
         "unauthenticated",
+        "audience_not_confirmed",
         "not_service_account",
+        "refused_namespace",
         "token_review_error",
         "not_node_agent",
         "caller_node_unknown",
@@ -247,4 +275,44 @@ fn static_reason(reason: &str) -> &'static str {
         .find(|k| **k == reason)
         .copied()
         .unwrap_or("other")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_namespaces_are_refused_except_named_accounts() {
+        let settings = IssuerSettings {
+            trust_domain: "cluster.local".into(),
+            leaf_validity: Duration::from_secs(3600),
+            node_agents: Vec::new(),
+            refused_namespaces: vec!["strait-multicluster".into()],
+            refusal_exceptions: vec![("strait-multicluster".into(), "strait-mirror".into())],
+        };
+        let e = settings
+            .may_certify("strait-multicluster", "strait-link-east")
+            .unwrap_err();
+        assert_eq!((e.reason(), e.status()), ("refused_namespace", 403));
+        assert!(
+            e.to_string()
+                .contains("strait-multicluster/strait-link-east")
+                && e.to_string().contains("another namespace"),
+            "{e}"
+        );
+        assert!(
+            settings
+                .may_certify("strait-multicluster", "strait-mirror")
+                .is_ok()
+        );
+        assert!(settings.may_certify("shop", "strait-link-east").is_ok());
+        assert!(settings.may_certify("shop", "strait-mirror").is_ok());
+    }
+
+    #[test]
+    fn every_refusal_reason_is_a_known_metric_label() {
+        for reason in ["refused_namespace", "audience_not_confirmed"] {
+            assert_eq!(static_reason(reason), reason);
+        }
+    }
 }

@@ -316,7 +316,45 @@ async fn tokens_only_buy_their_own_identity_and_bad_tokens_buy_nothing() {
         "the refusal names the audience to use: {message}"
     );
 
+    // The link namespace: `strait link` creates strait-link-<cluster> accounts
+    // there whose tokens linked clusters hold, and with them may TokenRequest
+    // a token for any audience. A genuine token for Strait's audience, minted
+    // by a real TokenRequest, buys nothing; the mirror controller's own
+    // account, in the same namespace, still gets its identity.
+    let link_token = workload_token(&client, "strait-multicluster", "strait-link-west").await;
+    let (status, reason, message) = refused(
+        ManagedIdentity::start(
+            ei.client(),
+            TokenSource::Static(link_token.into()),
+            None,
+            RefreshPolicy::default(),
+            IdentityMetrics::default(),
+        )
+        .await,
+    );
+    assert_eq!(
+        (status, reason.as_str()),
+        (403, "refused_namespace"),
+        "{message}"
+    );
+    assert!(
+        message.contains("strait-multicluster/strait-link-west")
+            && message.contains("--refuse-namespace")
+            && message.contains("another namespace"),
+        "the refusal says why and what to do: {message}"
+    );
+    let mirror_token = workload_token(&client, "strait-multicluster", "strait-mirror").await;
+    assert_eq!(
+        identity(&ei, mirror_token).await.id().to_string(),
+        "spiffe://east.strait/ns/strait-multicluster/sa/strait-mirror"
+    );
+
     let metrics = ei.metrics().await;
+    assert!(
+        metrics
+            .contains("identity_issuance_total{result=\"failure\",reason=\"refused_namespace\"} 1"),
+        "{metrics}"
+    );
     assert!(
         metrics
             .contains("identity_issuance_total{result=\"failure\",reason=\"unauthenticated\"} 3"),
@@ -401,6 +439,38 @@ async fn a_node_proxy_gets_identities_of_pods_on_its_node_only() {
     );
     let (status, reason, _) = refused(ask("ghost").await);
     assert_eq!((status, reason.as_str()), (403, "pod_not_found"));
+    // A pod on its node that runs as a link account: refused all the same.
+    let _ = workload_token(&client, "strait-multicluster", "strait-link-west").await;
+    create_ready_pod(
+        &client,
+        &TestPod::new(
+            "strait-multicluster",
+            "linked-n1",
+            "node-1",
+            "10.244.1.6".parse().unwrap(),
+        )
+        .with_service_account("strait-link-west"),
+    )
+    .await
+    .unwrap();
+    let (status, reason, message) = refused(
+        ManagedIdentity::start(
+            ei.client(),
+            TokenSource::Static(proxy_token.clone().into()),
+            Some(PodRef {
+                namespace: "strait-multicluster".into(),
+                name: "linked-n1".into(),
+            }),
+            RefreshPolicy::default(),
+            IdentityMetrics::default(),
+        )
+        .await,
+    );
+    assert_eq!(
+        (status, reason.as_str()),
+        (403, "refused_namespace"),
+        "{message}"
+    );
 
     // Without a pod-bound token, the issuer falls back to... nothing: it cannot tell the node.
     let unbound = token(

@@ -20,14 +20,14 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::{Link, LinkSpec, TRUST_ANCHORS_CONFIGMAP};
 use strait_mesh::names::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, GATEWAY_SERVICE, MIRRORED_LABEL,
-    PROBE_ANNOTATIONS, SYSTEM_NAMESPACE,
+    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, GATEWAY_SERVICE, LINK_SERVICE_ACCOUNT_PREFIX,
+    MIRRORED_LABEL, PROBE_ANNOTATIONS, SYSTEM_NAMESPACE,
 };
 
 use crate::identity::Format;
 
 /// Namespace of Links and credentials on the source, and of link access objects on the target.
-pub const LINK_NAMESPACE: &str = "strait-multicluster";
+pub use strait_mesh::names::LINK_NAMESPACE;
 /// ClusterRole on the target that link ServiceAccounts are bound to.
 pub const READER_ROLE: &str = "strait-link-reader";
 const FIELD_MANAGER: &str = "strait-cli";
@@ -110,7 +110,7 @@ pub(crate) async fn client_for(
 }
 
 fn service_account_name(cluster_name: &str) -> String {
-    format!("strait-link-{cluster_name}")
+    format!("{LINK_SERVICE_ACCOUNT_PREFIX}{cluster_name}")
 }
 
 async fn apply<K>(api: &Api<K>, name: &str, value: serde_json::Value) -> anyhow::Result<()>
@@ -205,8 +205,8 @@ pub fn token_kubeconfig(
     json!({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{"name": cluster_name, "cluster": cluster}],
-        "users": [{"name": format!("strait-link-{cluster_name}"), "user": {"token": token}}],
-        "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": format!("strait-link-{cluster_name}")}}],
+        "users": [{"name": service_account_name(cluster_name), "user": {"token": token}}],
+        "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": service_account_name(cluster_name)}}],
         "current-context": cluster_name,
     })
 }

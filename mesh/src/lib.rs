@@ -10,6 +10,7 @@ pub mod detect;
 pub mod discovery;
 pub mod identity;
 pub mod io;
+pub mod kubeconfig;
 pub mod link;
 pub mod names;
 pub mod telemetry;

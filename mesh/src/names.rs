@@ -55,6 +55,15 @@ pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
 
 /// Namespace of Strait's own components (issuer, gateway, node proxies).
 pub const SYSTEM_NAMESPACE: &str = "strait-system";
+/// Namespace of Links, their credentials Secrets and the mirror controller
+/// (on the cluster that mirrors), and of the link ServiceAccounts `strait
+/// link` creates (on the cluster that is mirrored).
+pub const LINK_NAMESPACE: &str = "strait-multicluster";
+/// The mirror controller's ServiceAccount, in [`LINK_NAMESPACE`].
+pub const MIRROR_SERVICE_ACCOUNT: &str = "strait-mirror";
+/// Prefix of the link ServiceAccounts, `strait-link-<cluster>`, whose tokens
+/// the linked cluster holds.
+pub const LINK_SERVICE_ACCOUNT_PREFIX: &str = "strait-link-";
 /// The node proxies' DaemonSet.
 pub const NODE_PROXY_DAEMONSET: &str = "strait-proxy";
 /// The gateway's Service (and Deployment).

@@ -26,7 +26,7 @@ pub struct MirrorConfig {
 impl Default for MirrorConfig {
     fn default() -> Self {
         Self {
-            namespace: "strait-multicluster".into(),
+            namespace: strait_mesh::names::LINK_NAMESPACE.into(),
             token_renew_at: 0.7,
             metrics: Default::default(),
             identity: None,

@@ -22,7 +22,7 @@ struct Args {
     #[arg(
         long,
         env = "STRAIT_LINK_NAMESPACE",
-        default_value = "strait-multicluster"
+        default_value = strait_mesh::names::LINK_NAMESPACE
     )]
     namespace: String,
     /// Renew link tokens after this fraction of their lifetime.

@@ -32,11 +32,11 @@ impl LinkHealth {
             message: "credentials Secret loaded".into(),
         }
     }
-    pub fn credentials_invalid(message: &str) -> Self {
+    pub fn credentials_invalid(reason: &str, message: &str) -> Self {
         Self {
             condition: "CredentialsValid",
             status: "False",
-            reason: "InvalidCredentials".into(),
+            reason: reason.into(),
             message: message.into(),
         }
     }

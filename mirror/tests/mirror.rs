@@ -551,3 +551,117 @@ async fn one_controller_serves_links_to_two_clusters() {
         .expect("north's mirror stays");
     controller.abort();
 }
+
+/// West's admin kubeconfig with its user's credentials replaced by `user`.
+fn kubeconfig_with_user(west: &Cluster, user: serde_json::Value) -> String {
+    let mut kc: serde_yaml::Value = serde_yaml::from_str(&admin_kubeconfig(west)).unwrap();
+    kc["users"][0]["user"] = serde_yaml::to_value(user).unwrap();
+    serde_yaml::to_string(&kc).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_whose_kubeconfig_would_run_or_read_something_are_refused_and_others_keep_mirroring()
+{
+    let (east, west) = pair_with_web().await;
+    let (ec, wc) = (east.client(), west.client());
+    let dir = tempfile::tempdir().unwrap();
+    // Were the exec plugin ever run, it would leave this file (and hand kube
+    // a token, so a client built from it would really use it).
+    let marker = dir.path().join("exec-plugin-ran");
+    let exec = kubeconfig_with_user(
+        &west,
+        json!({"exec": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": "/bin/sh",
+            "args": ["-c", format!("touch {}; echo '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"t\"}}}}'", marker.display())],
+            "interactiveMode": "Never",
+        }}),
+    );
+    let token_path = dir.path().join("token");
+    std::fs::write(&token_path, "not-a-token").unwrap();
+    let token_file = kubeconfig_with_user(&west, json!({"tokenFile": token_path}));
+
+    let controller = tokio::spawn(strait_mirror::run(ec.clone(), Default::default()));
+    link(&ec, "exec", Some(&exec)).await;
+    link(&ec, "tokenfile", Some(&token_file)).await;
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
+
+    let services: Api<Service> = Api::namespaced(ec.clone(), "shop");
+    until_exists(
+        "the good link mirrors beside the refused ones",
+        WAIT,
+        &services,
+        "web-west",
+    )
+    .await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    for (name, field, instead) in [
+        ("exec", "`exec`", "`token`"),
+        ("tokenfile", "`tokenFile`", "`token`"),
+    ] {
+        let c = eventually(&format!("{name}: CredentialsValid=False"), WAIT, || async {
+            let l = links.get(name).await.map_err(|e| e.to_string())?;
+            l.status
+                .and_then(|s| {
+                    s.conditions
+                        .into_iter()
+                        .find(|c| c.type_ == "CredentialsValid")
+                })
+                .filter(|c| c.status == "False")
+                .ok_or_else(|| "not refused yet".to_string())
+        })
+        .await;
+        assert_eq!(c.reason, "UnsafeKubeconfig", "{}", c.message);
+        let secret = format!("cluster-credentials-{name}");
+        for part in [
+            secret.as_str(),
+            field,
+            instead,
+            "inline data",
+            "strait link",
+        ] {
+            assert!(c.message.contains(part), "{part:?} missing: {}", c.message);
+        }
+    }
+    // An Event on each refused Link says the same.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(ec.clone(), "strait-multicluster");
+    eventually(
+        "an UnsafeKubeconfig Event per refused Link",
+        WAIT,
+        || async {
+            let list = events
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut regarding: Vec<String> = list
+                .items
+                .iter()
+                .filter(|e| e.reason.as_deref() == Some("UnsafeKubeconfig"))
+                .filter_map(|e| e.regarding.as_ref()?.name.clone())
+                .collect();
+            regarding.sort();
+            regarding.dedup();
+            if regarding == ["exec", "tokenfile"] {
+                Ok(())
+            } else {
+                Err(format!("{regarding:?}"))
+            }
+        },
+    )
+    .await;
+
+    // The good Link keeps following west; the refused ones mirror nothing.
+    Api::<Service>::namespaced(wc.clone(), "shop")
+        .create(&PostParams::default(), &from_json(json!({"metadata": {"name": "api", "labels": {"strait.dev/exported": "true"}}, "spec": {"ports": [{"port": 9}]}})))
+        .await
+        .unwrap();
+    until_exists("a service exported later", WAIT, &services, "api-west").await;
+    for name in ["web-exec", "web-tokenfile"] {
+        assert!(services.get_opt(name).await.unwrap().is_none(), "{name}");
+    }
+    // The worker has retried the refused Links several times by now (backoff from 0.5 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!marker.exists(), "the exec plugin was run");
+    controller.abort();
+}

@@ -209,6 +209,19 @@ async fn credentials(
             return None;
         }
     };
+    // Before anything builds a client from it: building one would run an
+    // exec plugin or read files here, on the operator's machine.
+    if let Err(e) = strait_mesh::kubeconfig::inline_only(&kc) {
+        out.push(CheckResult::fail(
+            check,
+            format!("{LINK_NAMESPACE}/{secret_name}: {e}"),
+            format!(
+                "{}; strait link never writes such a kubeconfig, so find out who changed the Secret",
+                relink_hint(cluster)
+            ),
+        ));
+        return None;
+    }
     // Read from the YAML itself: kube keeps the token behind a secrecy wrapper.
     let token = serde_yaml::from_str::<serde_yaml::Value>(&text)
         .ok()

@@ -399,3 +399,90 @@ async fn check_without_the_crd_fails_and_says_how_to_install_it() {
         started.elapsed()
     );
 }
+
+/// A Link whose kubeconfig names a program to run (exec) or a file to read
+/// (tokenFile): check fails its credentials with the fix, and never builds a
+/// client from it (which would run the plugin here, on the operator's machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_a_link_kubeconfig_that_would_run_or_read_something_and_never_runs_it() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (_dir, kc) = strait_testenv::kubeconfig_with_link_crd(&east, &west);
+    let ec = east.client();
+    ensure_namespace(&ec, "strait-multicluster").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("exec-plugin-ran");
+    let west_with = |user: serde_json::Value| {
+        let mut remote: serde_yaml::Value =
+            serde_yaml::from_str(&kubeconfig::to_yaml(west.kubeconfig()).unwrap()).unwrap();
+        remote["users"][0]["user"] = serde_yaml::to_value(user).unwrap();
+        serde_yaml::to_string(&remote).unwrap()
+    };
+    let exec = west_with(json!({"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": "/bin/sh",
+        "args": ["-c", format!("touch {}; echo '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"t\"}}}}'", marker.display())],
+        "interactiveMode": "Never",
+    }}));
+    let token_file = west_with(json!({"tokenFile": dir.path().join("token")}));
+    for (cluster, kubeconfig) in [("exec", exec), ("tokenfile", token_file)] {
+        let secret = format!("cluster-credentials-{cluster}");
+        Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(
+                    json!({"metadata": {"name": secret}, "stringData": {"kubeconfig": kubeconfig}}),
+                )
+                .unwrap(),
+            )
+            .await
+            .unwrap();
+        Api::<Link>::namespaced(ec.clone(), "strait-multicluster")
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "multicluster.strait.dev/v1alpha1", "kind": "Link",
+                    "metadata": {"name": cluster},
+                    "spec": {"targetClusterName": cluster, "clusterCredentialsSecret": secret,
+                             "gatewayAddresses": ["10.77.0.1"], "gatewayIdentity": GATEWAY_ID},
+                }))
+                .unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+
+    let (ok, results) = check_json(&kc, &[]);
+    assert!(!ok, "{:#?}", failing(&results));
+    for (cluster, field, instead) in [
+        ("exec", "`exec`", "`token`"),
+        ("tokenfile", "`tokenFile`", "`token`"),
+    ] {
+        let r = find(&results, &format!("link {cluster}: credentials"));
+        assert_eq!(r["ok"], false, "{r}");
+        let message = r["message"].as_str().unwrap();
+        let secret = format!("strait-multicluster/cluster-credentials-{cluster}");
+        for part in [secret.as_str(), field, instead, "inline data"] {
+            assert!(message.contains(part), "{part:?} missing: {r}");
+        }
+        let hint = r["hint"].as_str().unwrap();
+        assert!(
+            hint.contains("strait link --context") && hint.contains("who changed the Secret"),
+            "{r}"
+        );
+        // No client was built from it: no remote API line, and nothing compared.
+        assert!(
+            results
+                .iter()
+                .all(|r| r["check"] != format!("link {cluster}: remote API")),
+            "{results:#?}"
+        );
+    }
+    let human = text(&strait(&kc, &["check", "--context", "east"]));
+    assert!(
+        human.contains("× link exec: credentials: strait-multicluster/cluster-credentials-exec")
+            && human.contains("    hint: re-link"),
+        "{human}"
+    );
+    assert!(!marker.exists(), "strait check ran the link's exec plugin");
+}

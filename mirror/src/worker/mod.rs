@@ -87,7 +87,7 @@ async fn mirror_link(
         Ok(c) => c,
         Err(e) => {
             status
-                .set_health(LinkHealth::credentials_invalid(&e.to_string()))
+                .set_health(LinkHealth::credentials_invalid(e.reason(), &e.to_string()))
                 .await;
             return Err(e);
         }

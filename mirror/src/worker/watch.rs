@@ -11,6 +11,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
+use strait_mesh::kubeconfig::{self, UnsafeKubeconfig};
 use strait_mesh::link::Link;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
@@ -34,12 +35,33 @@ pub enum CredentialsError {
         name: String,
         message: String,
     },
+    /// Names a program to run or a file to read: refused before any client
+    /// is built from it, so nothing in it is ever run or read here.
+    #[error("Secret {namespace}/{name}: {source}")]
+    Unsafe {
+        namespace: String,
+        name: String,
+        source: UnsafeKubeconfig,
+    },
     #[error("reading Secret {namespace}/{name}: {source}")]
     Read {
         namespace: String,
         name: String,
         source: kube::Error,
     },
+}
+
+impl CredentialsError {
+    /// The CredentialsValid condition's reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            CredentialsError::Unsafe { .. } => UnsafeKubeconfig::REASON,
+            CredentialsError::Missing { .. }
+            | CredentialsError::NoKubeconfig { .. }
+            | CredentialsError::Invalid { .. }
+            | CredentialsError::Read { .. } => "InvalidCredentials",
+        }
+    }
 }
 
 /// Builds a client for the remote cluster from the Link's credentials Secret.
@@ -75,6 +97,11 @@ pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, Creden
     let text = String::from_utf8(bytes).map_err(|e| invalid(e.to_string()))?;
     let kubeconfig =
         kube::config::Kubeconfig::from_yaml(&text).map_err(|e| invalid(e.to_string()))?;
+    kubeconfig::inline_only(&kubeconfig).map_err(|source| CredentialsError::Unsafe {
+        namespace: namespace.clone(),
+        name: name.clone(),
+        source,
+    })?;
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
         .await
         .map_err(|e| invalid(e.to_string()))?;
