@@ -156,9 +156,10 @@ impl Inbound {
                 self.metrics.tcp_close(&labels, 0, 0);
                 result
             }
+            // Boxed: its state (the first bytes' race, a second HTTP server
+            // type) would otherwise grow every connection's task, idle ones too.
             Protocol::Opaque => {
-                self.serve_opaque(tls, upstream, &caller, &labels, &drain)
-                    .await
+                Box::pin(self.serve_opaque(tls, upstream, &caller, &labels, &drain)).await
             }
         };
         result.map_err(|e| format!("from {caller}: {e}"))
