@@ -35,9 +35,16 @@
 //! Misreading HTTP as opaque costs features, never correctness (the bytes are
 //! forwarded unchanged); misreading anything else as HTTP breaks the
 //! connection. So the rules are strict where they could be lenient.
+//!
+//! Except where the proxy vouches for the caller: the inbound proxy must not
+//! splice bytes a pod's server would read as HTTP (they could carry a forged
+//! `strait-client-id`), so on a stream the sender marked opaque it reads the
+//! caller's first bytes with [`classify_lenient`], which calls HTTP/1
+//! whatever a forgiving server would parse as a request line.
 
 mod classify;
 mod io;
+mod lenient;
 mod opaque_ports;
 
 use std::time::Duration;
@@ -47,6 +54,7 @@ use std::time::Duration;
 pub use crate::tunnel::Protocol;
 pub use classify::{Detection, H2_PREFACE, MAX_DETECT_BYTES, MAX_METHOD_LEN, classify};
 pub use io::{PrefixedIo, detect};
+pub use lenient::classify_lenient;
 pub use opaque_ports::{
     DEFAULT_OPAQUE_PORTS, EntryProblem, OpaqueDecision, OpaquePorts, OpaquePortsError, PortsSource,
     skip_detection,

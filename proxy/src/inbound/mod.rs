@@ -12,7 +12,7 @@ use strait_mesh::identity::protocol::PodRef;
 use strait_mesh::identity::tls;
 use strait_mesh::identity::{SpiffeId, SpiffeIdError};
 use strait_mesh::io::{ReadAhead, ServerTls as PeerTls};
-use strait_mesh::names::{CLIENT_ID_HEADER, Carrier, may_speak_for};
+use strait_mesh::names::{Carrier, may_speak_for};
 use strait_mesh::tunnel::{
     DEFAULT_READ_TIMEOUT, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
@@ -20,10 +20,16 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::LazyConfigAcceptor;
 
+use crate::detect::PrefixedIo;
 use crate::drain::{Drain, serve_connections};
 use crate::identity::{PodIdentities, parse_server_name};
-use crate::metrics::{HttpSeries, ProxyMetrics, TcpLabels};
+use crate::metrics::{ProxyMetrics, TcpLabels};
 use crate::view::{LocalPod, LocalPods};
+use http_tunnel::serve_http;
+use opening::{FIRST_BYTES_TIMEOUT, Guarded, Opening, opening};
+
+mod http_tunnel;
+mod opening;
 
 /// How long a peer may take for the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -139,32 +145,73 @@ impl Inbound {
             .map_err(|e| format!("answering {client}: {e}"))?;
         let labels = TcpLabels::inbound(&caller, &pod);
         self.metrics.tcp_open(&labels);
-        match header.protocol {
+        let result = match header.protocol {
             // The sender detected HTTP (or was told by its client): no second
             // detection here. Requests are counted per caller, and the pod
             // learns who called (CLIENT_ID_HEADER), which no one else can set.
             Protocol::Http1 | Protocol::Http2 => {
-                let result = serve_http(
-                    tls,
-                    upstream,
-                    header.protocol,
-                    &caller,
-                    self.metrics.http(&labels),
-                    &drain,
-                )
-                .await;
+                let series = self.metrics.http(&labels);
+                let result =
+                    serve_http(tls, upstream, header.protocol, &caller, series, &drain).await;
                 self.metrics.tcp_close(&labels, 0, 0);
                 result
             }
+            // Boxed: its state (the first bytes' race, a second HTTP server
+            // type) would otherwise grow every connection's task, idle ones too.
             Protocol::Opaque => {
-                let mut upstream = upstream;
-                let result = strait_mesh::io::splice(&mut tls, &mut upstream).await;
-                let (from_client, to_client) = result.unwrap_or((0, 0));
-                self.metrics.tcp_close(&labels, from_client, to_client);
+                Box::pin(self.serve_opaque(tls, upstream, &caller, &labels, &drain)).await
+            }
+        };
+        result.map_err(|e| format!("from {caller}: {e}"))
+    }
+
+    /// A tunnel the sender did not read as HTTP: read as HTTP here if its
+    /// first bytes are, so no caller can bring its own `strait-client-id`
+    /// ([`opening`] says how); else spliced.
+    async fn serve_opaque(
+        &self,
+        mut tls: PeerTls,
+        mut upstream: TcpStream,
+        caller: &SpiffeId,
+        labels: &TcpLabels,
+        drain: &Drain,
+    ) -> Result<(), String> {
+        let opened = opening(&mut tls, &upstream, FIRST_BYTES_TIMEOUT).await;
+        let spliced = match opened {
+            Ok(Opening::Http(protocol, read)) => {
+                let series = self.metrics.http(labels);
+                let tunnel = PrefixedIo::new(read, tls);
+                let result = serve_http(tunnel, upstream, protocol, caller, series, drain).await;
+                self.metrics.tcp_close(labels, 0, 0);
+                return result;
+            }
+            Ok(Opening::Opaque(read)) => {
+                strait_mesh::io::splice(&mut PrefixedIo::new(read, tls), &mut upstream).await
+            }
+            Ok(Opening::PodFirst(read)) => {
+                strait_mesh::io::splice(&mut Guarded::new(read, tls), &mut upstream).await
+            }
+            Ok(Opening::Silent) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("neither side spoke within {FIRST_BYTES_TIMEOUT:?}: closed"),
+            )),
+            Err(e) => Err(e),
+        };
+        match spliced {
+            Ok((from_client, to_client)) => {
+                self.metrics.tcp_close(labels, from_client, to_client);
                 Ok(())
+            }
+            Err(e) => {
+                self.metrics.tcp_close(labels, 0, 0);
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    tracing::info!(%caller, "tunnel closed: {e}");
+                }
+                Err(e.to_string())
             }
         }
     }
+
     /// Who the caller is, which local pod it reaches, and a connection to
     /// it: or why not.
     async fn admit(
@@ -276,118 +323,6 @@ impl Refusal {
             }
         }
     }
-}
-
-/// HTTP over one tunnel to one pod connection, in the tunnel's version. One
-/// task drives both connections (no hand-over to another task per request).
-async fn serve_http(
-    tls: PeerTls,
-    upstream: TcpStream,
-    protocol: Protocol,
-    client: &SpiffeId,
-    series: HttpSeries,
-    drain: &Drain,
-) -> Result<(), String> {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    let client_id = http::HeaderValue::from_str(&client.to_string())
-        .map_err(|e| format!("caller identity as a header: {e}"))?;
-    let pod = upstream.peer_addr().ok();
-    let (sender, pod_connection): (PodSender, BoxFuture) = match protocol {
-        Protocol::Http2 => {
-            let (sender, conn) =
-                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(upstream))
-                    .await
-                    .map_err(|e| format!("HTTP/2 to pod {pod:?}: {e}"))?;
-            (PodSender::H2(sender), Box::pin(quietly(conn)))
-        }
-        _ => {
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
-                .await
-                .map_err(|e| format!("HTTP/1 to pod {pod:?}: {e}"))?;
-            (
-                PodSender::H1(Arc::new(tokio::sync::Mutex::new(sender))),
-                Box::pin(quietly(conn)),
-            )
-        }
-    };
-    let h1 = protocol != Protocol::Http2;
-    let closing = drain.clone();
-    let service =
-        hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-            let (sender, series, client_id) = (sender.clone(), series.clone(), client_id.clone());
-            let drain_closing = closing.clone();
-            async move {
-                crate::hop::strip(req.headers_mut());
-                req.headers_mut().insert(CLIENT_ID_HEADER, client_id);
-                series.request();
-                let started = std::time::Instant::now();
-                let result = match sender {
-                    PodSender::H1(s) => s.lock().await.send_request(req).await,
-                    PodSender::H2(mut s) => s.send_request(req).await,
-                };
-                series.response(
-                    result.as_ref().ok().map(|r| r.status()),
-                    started.elapsed().as_secs_f64(),
-                );
-                result.map(|mut response| {
-                    // This tunnel's HTTP/1 connection is tied to one pod
-                    // connection: when the pod closes it, the tunnel closes too
-                    // (the sending proxy then opens a new one).
-                    // Or this proxy is shutting down: the sender's pool
-                    // drops the tunnel after this answer, not during the next.
-                    let closing = crate::hop::says_close(response.headers())
-                        || (h1 && drain_closing.is_closing());
-                    crate::hop::strip(response.headers_mut());
-                    if closing {
-                        response.headers_mut().insert(
-                            http::header::CONNECTION,
-                            http::HeaderValue::from_static("close"),
-                        );
-                    }
-                    response
-                })
-            }
-        });
-    let io = TokioIo::new(tls);
-    let tunnel = async move {
-        match protocol {
-            Protocol::Http2 => {
-                let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(io, service);
-                drain
-                    .serve(std::pin::pin!(connection), |c| c.graceful_shutdown())
-                    .await
-            }
-            _ => {
-                let connection =
-                    hyper::server::conn::http1::Builder::new().serve_connection(io, service);
-                drain
-                    .serve(std::pin::pin!(connection), |c| c.graceful_shutdown())
-                    .await
-            }
-        }
-    };
-    // The pod's connection ends once the tunnel's (holding its sender) has.
-    let (served, ()) = tokio::join!(tunnel, pod_connection);
-    served.map_err(|e| format!("HTTP in the tunnel: {e}"))
-}
-
-type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
-/// A pod connection's future, its error only logged.
-async fn quietly<E: std::fmt::Display>(
-    connection: impl std::future::Future<Output = Result<(), E>>,
-) {
-    if let Err(e) = connection.await {
-        tracing::debug!("HTTP to the pod: {e}");
-    }
-}
-
-#[derive(Clone)]
-enum PodSender {
-    /// One HTTP/1 connection: requests in turn.
-    H1(Arc<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<hyper::body::Incoming>>>),
-    H2(hyper::client::conn::http2::SendRequest<hyper::body::Incoming>),
 }
 
 /// The SPIFFE ID a local pod runs as.
