@@ -97,7 +97,7 @@ async fn east_and_west_workloads_complete_mutual_tls_and_see_each_others_spiffe_
         .err()
         .expect("wrong identity refused");
     assert!(
-        err.contains("UnexpectedPeer") && err.contains("billing"),
+        err.contains("WrongIdentity") && err.contains("billing"),
         "{err}"
     );
 

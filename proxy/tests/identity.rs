@@ -9,10 +9,9 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use strait_mesh::identity::tls::{self, CertSlot, TrustBundle};
+use strait_mesh::identity::tls::TrustBundle;
 use strait_mesh::identity::{SpiffeId, ca};
 use strait_mesh::tunnel::{Protocol, Target, TunnelHeader};
 use strait_testenv::http_get;
@@ -31,41 +30,6 @@ async fn metrics(addr: IpAddr) -> String {
     http_get(SocketAddr::new(addr, 4191), "/metrics")
         .await
         .unwrap()
-}
-
-/// A TLS client as `cert` to `addr` (TCP) expecting `server`: whether the
-/// server let it through (TLS 1.3: a refused client learns it on its first read).
-async fn tcp_accepted(
-    addr: SocketAddr,
-    bundle: &TrustBundle,
-    cert: Arc<CertSlot>,
-    server: &SpiffeId,
-    sni: &str,
-) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let config = tls::client_config(
-        bundle,
-        cert,
-        vec![server.clone()],
-        &[strait_mesh::tunnel::TUNNEL_ALPN],
-    )
-    .unwrap();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
-    let Ok(mut stream) = connector.connect(name, tcp).await else {
-        return false;
-    };
-    // A probe header: answered by a gateway, refused (but answered) by a node proxy.
-    let header = strait_mesh::tunnel::quic::probe_header();
-    if header.write_to(&mut stream).await.is_err() || stream.flush().await.is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 64];
-    matches!(
-        tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await,
-        Ok(Ok(n)) if n > 0
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +75,7 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
     let (good, _) = component_identity(&mesh, "strait-proxy");
     let quic = strait_mesh::tunnel::quic::GatewayClient::new(bundle.clone(), good.clone()).unwrap();
     quic.probe(gw_addr, &gateway_id).await.unwrap();
-    assert!(tcp_accepted(gw_addr, &bundle, good.clone(), &gateway_id, sni).await);
+    assert!(tls_accepted(gw_addr, &bundle, good.clone(), &gateway_id, sni).await);
 
     for (reason, peer_bundle, cert) in &peers {
         // QUIC: the probe takes the real path (handshake, stream, header).
@@ -122,7 +86,7 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
         assert!(refused.is_err(), "{reason}: QUIC let through: {refused:?}");
         // TCP + TLS on the same port.
         assert!(
-            !tcp_accepted(gw_addr, peer_bundle, cert.clone(), &gateway_id, sni).await,
+            !tls_accepted(gw_addr, peer_bundle, cert.clone(), &gateway_id, sni).await,
             "{reason}: TCP let through"
         );
         let m = metrics(gw_ip).await;
@@ -143,7 +107,7 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
     let web = id(&format!("spiffe://{td}/ns/shop/sa/web"));
     let (caller, _) = issued_identity(&mesh, "shop", "client").await;
     assert!(
-        tcp_accepted(
+        tls_accepted(
             inbound,
             &bundle,
             caller,
@@ -154,7 +118,7 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
     );
     for (reason, peer_bundle, cert) in &peers {
         assert!(
-            !tcp_accepted(
+            !tls_accepted(
                 inbound,
                 peer_bundle,
                 cert.clone(),

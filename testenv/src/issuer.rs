@@ -59,7 +59,28 @@ impl Drop for RunningIssuer {
     }
 }
 
+/// Writes `contents` to `path` as a kubelet updates a mounted file: a new file
+/// renamed over the old, so a reader sees one or the other, never half.
+pub fn replace_file(path: &Path, contents: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension("new");
+    std::fs::write(&tmp, contents)?;
+    std::fs::rename(&tmp, path)
+}
+
 impl RunningIssuer {
+    /// Replaces the issuer Secret's certificate and key, as a rotation
+    /// re-issuing the issuer would (the running issuer picks them up).
+    pub fn replace_issuer(&self, issuer: &PemPair) {
+        replace_file(&self.dir.path().join("tls.key"), &issuer.key_pem).unwrap();
+        replace_file(&self.dir.path().join("tls.crt"), &issuer.cert_pem).unwrap();
+    }
+
+    /// Replaces the Secret's trust-anchor bundle (and the one [`Self::client`] verifies with).
+    pub fn replace_trust_anchors(&self, bundle_pem: &str) {
+        replace_file(&self.dir.path().join("ca.crt"), bundle_pem).unwrap();
+        self.bundle.replace_from_pem(bundle_pem.as_bytes()).unwrap();
+    }
+
     /// Kills the issuer process (an outage).
     pub fn stop(&mut self) {
         self.child.stop(Duration::ZERO);

@@ -280,6 +280,7 @@ pub struct IdentityMetrics {
     refreshes: Family<RefreshLabels, Counter>,
     active_anchor: Family<IdentityLabels, Gauge>,
     refusals: super::refusals::RefusalLog,
+    anchors: super::trust::AnchorInfo,
 }
 
 impl IdentityMetrics {
@@ -299,7 +300,17 @@ impl IdentityMetrics {
             "1 if the current certificate of each identity chains to the first (active) anchor of the trust bundle, else 0 (a rotation is under way)",
             self.active_anchor.clone(),
         );
+        registry.register(
+            "identity_trust_anchor_info",
+            "The trust anchors this component verifies peers with (1 per anchor; active: the first, which certificates should chain to)",
+            self.anchors.clone(),
+        );
         self.refusals.register(registry);
+    }
+
+    /// Where a trust bundle publishes its anchors.
+    pub fn anchor_info(&self) -> super::trust::AnchorInfo {
+        self.anchors.clone()
     }
 
     /// The handshake refusals of this component's trust bundle.

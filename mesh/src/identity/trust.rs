@@ -19,6 +19,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use rustls::RootCertStore;
 use rustls::pki_types::{CertificateDer, TrustAnchor, UnixTime};
 use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
@@ -437,6 +440,18 @@ impl Anchors {
     }
 }
 
+/// Labels of `identity_trust_anchor_info`: one series per anchor of the bundle.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AnchorLabels {
+    /// The first 16 hex digits of the anchor's SHA-256.
+    pub fingerprint: String,
+    /// `true` for the first (active) anchor.
+    pub active: &'static str,
+}
+
+/// The anchors a component trusts now, for its metrics.
+pub type AnchorInfo = Family<AnchorLabels, Gauge>;
+
 /// The trust anchors a workload accepts, shared by every config built from it.
 /// Several roots are allowed so an anchor can be rotated without downtime; the
 /// first is the *active* one, the anchor new certificates should chain to.
@@ -446,6 +461,7 @@ pub struct TrustBundle {
     /// Bumped on every replacement; certificate holders watch it.
     generation: Arc<tokio::sync::watch::Sender<u64>>,
     refusals: RefusalLog,
+    anchor_info: Option<AnchorInfo>,
 }
 
 impl TrustBundle {
@@ -454,7 +470,29 @@ impl TrustBundle {
             live: Arc::new(ArcSwap::from_pointee(Anchors::from_pem(pem)?)),
             generation: Arc::new(tokio::sync::watch::Sender::new(0)),
             refusals: RefusalLog::default(),
+            anchor_info: None,
         })
+    }
+
+    /// The same bundle publishing its anchors in `info` (now and on every replacement).
+    pub fn with_anchor_info(mut self, info: AnchorInfo) -> Self {
+        self.anchor_info = Some(info);
+        self.publish();
+        self
+    }
+
+    fn publish(&self) {
+        let Some(info) = &self.anchor_info else {
+            return;
+        };
+        info.clear();
+        for (i, print) in self.fingerprints().iter().enumerate() {
+            info.get_or_create(&AnchorLabels {
+                fingerprint: print[..16].to_string(),
+                active: if i == 0 { "true" } else { "false" },
+            })
+            .set(1);
+        }
     }
 
     /// The same bundle counting its refusals in `log` (a component's metrics).
@@ -470,6 +508,7 @@ impl TrustBundle {
             return Ok(false);
         }
         self.live.store(Arc::new(Anchors::from_pem(pem)?));
+        self.publish();
         self.generation.send_modify(|g| *g += 1);
         Ok(true)
     }

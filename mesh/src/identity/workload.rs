@@ -90,7 +90,8 @@ impl IdentityArgs {
                 path: self.trust_anchors.clone(),
                 source: source.into(),
             })?
-            .with_refusal_log(metrics.refusals());
+            .with_refusal_log(metrics.refusals())
+            .with_anchor_info(metrics.anchor_info());
         tokio::spawn(watch_anchors(
             self.trust_anchors.clone(),
             bundle.clone(),

@@ -71,3 +71,38 @@ pub async fn small_mesh(lazy_delay: &str) -> Option<Mesh> {
     .await;
     Some(mesh)
 }
+
+/// A TLS client as `cert` to `addr` (TCP) expecting `server`: whether the
+/// server let it through (TLS 1.3: a refused client learns it on its first read).
+pub async fn tls_accepted(
+    addr: std::net::SocketAddr,
+    bundle: &strait_mesh::identity::tls::TrustBundle,
+    cert: std::sync::Arc<strait_mesh::identity::tls::CertSlot>,
+    server: &strait_mesh::identity::SpiffeId,
+    sni: &str,
+) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = strait_mesh::identity::tls::client_config(
+        bundle,
+        cert,
+        vec![server.clone()],
+        &[strait_mesh::tunnel::TUNNEL_ALPN],
+    )
+    .unwrap();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
+    let Ok(mut stream) = connector.connect(name, tcp).await else {
+        return false;
+    };
+    // A probe header: answered by a gateway, refused (but answered) by a node proxy.
+    let header = strait_mesh::tunnel::quic::probe_header();
+    if header.write_to(&mut stream).await.is_err() || stream.flush().await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    matches!(
+        tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf)).await,
+        Ok(Ok(n)) if n > 0
+    )
+}
