@@ -507,6 +507,7 @@ impl Gateway {
                 identity,
                 header.protocol,
                 Some(caller.clone()),
+                header.end_to_end,
             )
             .await
             {

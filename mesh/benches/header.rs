@@ -33,6 +33,7 @@ fn main() {
         target: Target::service("web.default.svc.cluster.local", 8080).unwrap(),
         source: Some("spiffe://east.local/ns/shop/sa/web".parse().unwrap()),
         protocol: Protocol::Http2,
+        end_to_end: true,
     };
     let mut buf = BytesMut::with_capacity(256);
     for (name, header) in [("pod", &pod), ("service + source", &gateway)] {

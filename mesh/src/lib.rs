@@ -13,5 +13,6 @@ pub mod io;
 pub mod kubeconfig;
 pub mod link;
 pub mod names;
+pub mod policy;
 pub mod telemetry;
 pub mod tunnel;

@@ -91,6 +91,26 @@ impl PodIdentities {
         .map(Arc::new)
     }
 
+    /// The end-to-end session's client config: presents `source`, accepts any
+    /// workload of `namespace` in `trust_domain` (the remote Service's).
+    pub fn end_to_end_config(
+        &self,
+        source: &ManagedIdentity,
+        trust_domain: &str,
+        namespace: &str,
+    ) -> Result<Arc<rustls::ClientConfig>, tls::TlsError> {
+        tls::client_config_expecting(
+            &self.bundle,
+            source.cert(),
+            tls::Expected::Namespace {
+                trust_domain: trust_domain.to_string(),
+                namespace: namespace.to_string(),
+            },
+            &[TUNNEL_ALPN],
+        )
+        .map(Arc::new)
+    }
+
     /// The inbound server config for one identity: client certificates
     /// required (chained to the trust anchors), TLS 1.3, the tunnel ALPN.
     /// Cached: the certificate slot inside follows every refresh.

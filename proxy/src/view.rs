@@ -5,6 +5,7 @@
 //! [`Discovery`](crate::discovery::Discovery) snapshot.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use strait_mesh::identity::SpiffeId;
@@ -24,6 +25,19 @@ pub trait LocalPods: Send + Sync + 'static {
     fn local_pod(&self, ip: IpAddr) -> Option<LocalPod>;
     /// A pod on this node running as `namespace/service_account`, if any.
     fn local_pod_running_as(&self, namespace: &str, service_account: &str) -> Option<LocalPod>;
+    /// Whether the Service `fqdn:port` of this cluster has `pod` (IP and
+    /// target port) among its ready endpoints, and its allowed identities:
+    /// `None` when there is no such Service.
+    fn service_serving(&self, fqdn: &str, port: u16, pod: SocketAddr) -> Option<ServiceCheck>;
+}
+
+/// What the inbound side needs to know of a Service an end-to-end caller named.
+#[derive(Clone, Debug)]
+pub struct ServiceCheck {
+    /// `<namespace>/<name>`.
+    pub name: String,
+    pub has_pod: bool,
+    pub allowed_identities: Option<Arc<str>>,
 }
 
 /// One place a destination can be reached, and the identity that must
@@ -145,6 +159,16 @@ impl LocalPods for MeshView {
             .local_pods()
             .find(|p| p.namespace == namespace && p.service_account == service_account)
             .map(|p| local(p))
+    }
+
+    fn service_serving(&self, fqdn: &str, port: u16, pod: SocketAddr) -> Option<ServiceCheck> {
+        let destination = self.discovery.resolve_name(fqdn, port)?;
+        let service = destination.service.as_ref()?;
+        Some(ServiceCheck {
+            name: format!("{}/{}", service.namespace, service.name),
+            has_pod: destination.endpoints.iter().any(|e| e.addr == pod),
+            allowed_identities: destination.allowed_identities.clone(),
+        })
     }
 }
 

@@ -2,10 +2,13 @@
 //! foreign trust anchor, with an expired certificate, or minted by a leaked
 //! issuer of another cluster (name-constrained to its own trust domain) are
 //! refused during the handshake at the gateway (QUIC and TCP) and at a node
-//! proxy's inbound port, and counted in `tls_refusals_total`; a node proxy
-//! that claims a caller of another cluster is refused by the gateway; a
-//! client refuses a server that is not the identity it expects. Nothing of
-//! a refused peer reaches a pod.
+//! proxy's inbound port, and counted in `tls_refusals_total`; a forging node
+//! proxy (a real proxy certificate) is refused at every hop: another
+//! cluster's caller by the gateway, its own cluster's without the end-to-end
+//! proof or with a proof of someone else by the destination's node proxy;
+//! the honest caller's identity is what the pod sees. A client refuses a
+//! server that is not the identity it expects. Nothing of a refused peer
+//! reaches a pod.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -13,6 +16,7 @@ use std::time::Duration;
 
 use strait_mesh::identity::tls::TrustBundle;
 use strait_mesh::identity::{SpiffeId, ca};
+use strait_mesh::tunnel::client::end_to_end;
 use strait_mesh::tunnel::{Protocol, Target, TunnelHeader};
 use strait_testenv::http_get;
 
@@ -139,32 +143,24 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
         );
     }
 
-    // A real node proxy of this cluster may speak for its own callers, not
-    // for another cluster's: the gateway refuses the claim before any byte
-    // goes on.
-    let header = |source: &str| TunnelHeader {
-        target: Target::Service {
-            fqdn: "web.shop.svc.cluster.local".parse().unwrap(),
-            port: 80,
-        },
+    // A forging node proxy: a real process's certificate (strait-proxy of this
+    // cluster), claiming callers it cannot prove.
+    let header = |source: &str, end_to_end: bool| TunnelHeader {
+        target: Target::service("web.shop.svc.cluster.local", 80).unwrap(),
         source: Some(id(source)),
         protocol: Protocol::Http1,
+        end_to_end,
     };
-    quic.open(
-        gw_addr,
-        &gateway_id,
-        &header(&format!("spiffe://{td}/ns/shop/sa/client")),
-    )
-    .await
-    .expect("a node proxy speaks for a caller of its own cluster");
-    let claim = quic
+    let admin = format!("spiffe://{td}/ns/shop/sa/admin");
+    let client_id = format!("spiffe://{td}/ns/shop/sa/client");
+    // 1. Another cluster's caller: the gateway refuses the claim.
+    let err = quic
         .open(
             gw_addr,
             &gateway_id,
-            &header("spiffe://west.clusterset.local/ns/shop/sa/client"),
+            &header("spiffe://west.clusterset.local/ns/shop/sa/client", true),
         )
-        .await;
-    let err = claim
+        .await
         .err()
         .expect("a node proxy cannot speak for another cluster's caller");
     assert!(err.to_string().contains("own trust domain"), "{err}");
@@ -173,6 +169,83 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
         metric_sum(&m, "gateway_denied_total", &["reason=\"source-claim\""]) >= 1.0,
         "{m}"
     );
+    // 2. A caller of its own cluster, without the end-to-end proof: the
+    //    gateway cannot tell, the destination's node proxy refuses.
+    let err = quic
+        .open(gw_addr, &gateway_id, &header(&admin, false))
+        .await
+        .err()
+        .expect("a claim without proof is refused by the destination");
+    assert!(err.to_string().contains("end-to-end proof"), "{err}");
+    // 3. With the session, proving what it holds (its own certificate), not
+    //    the workload it claims: refused inside the session.
+    let inner = TunnelHeader::new(
+        Target::service("web.shop.svc.cluster.local", 80).unwrap(),
+        Protocol::Http1,
+    );
+    let expect_shop = strait_mesh::identity::tls::Expected::Namespace {
+        trust_domain: td.clone(),
+        namespace: "shop".into(),
+    };
+    let as_config = |cert| {
+        std::sync::Arc::new(
+            strait_mesh::identity::tls::client_config_expecting(
+                &bundle,
+                cert,
+                expect_shop.clone(),
+                &[strait_mesh::tunnel::TUNNEL_ALPN],
+            )
+            .unwrap(),
+        )
+    };
+    let stream = quic
+        .open(gw_addr, &gateway_id, &header(&admin, true))
+        .await
+        .expect("the outer tunnel: neither the gateway nor the destination can tell yet");
+    let err = end_to_end(stream, as_config(good.clone()), &inner, gw_addr)
+        .await
+        .err()
+        .expect("a caller proving another identity than claimed is refused");
+    assert!(err.to_string().contains("proved to be"), "{err}");
+    // 4. The honest caller: claims and proves `client`; the pod sees that
+    //    identity, whatever the request says.
+    let (client_cert, _) = issued_identity(&mesh, "shop", "client").await;
+    let stream = quic
+        .open(gw_addr, &gateway_id, &header(&client_id, true))
+        .await
+        .unwrap();
+    let mut session = end_to_end(stream, as_config(client_cert), &inner, gw_addr)
+        .await
+        .expect("the proven caller gets through");
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    session
+        .write_all(
+            format!("GET /e2e HTTP/1.1\r\nHost: web\r\nstrait-client-id: {admin}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    let _ =
+        tokio::time::timeout(Duration::from_secs(10), session.read_to_string(&mut answer)).await;
+    assert!(
+        answer.contains(&format!("\"strait-client-id\":\"{client_id}\"")),
+        "{answer}"
+    );
+    assert!(!answer.contains("sa/admin"), "{answer}");
+    // The claimed identity never reached a pod.
+    for node in mesh.topology.nodes() {
+        let m = metrics(IpAddr::V4(node.ip())).await;
+        assert_eq!(
+            metric_sum(
+                &m,
+                "request_total",
+                &["direction=\"inbound\"", "src_workload=\"admin\""]
+            ),
+            0.0,
+            "{m}"
+        );
+    }
 
     // The client side: a gateway that is not the expected identity is refused
     // and counted by the client's bundle.

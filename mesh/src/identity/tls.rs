@@ -117,7 +117,62 @@ pub fn client_config(
     expected: Vec<SpiffeId>,
     alpn: &[&[u8]],
 ) -> Result<ClientConfig, TlsError> {
-    let verifier = Arc::new(SpiffeServerVerifier::new(bundle, expected));
+    client_config_expecting(bundle, cert, Expected::Ids(expected), alpn)
+}
+
+/// Which servers a client accepts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expected {
+    /// Exactly these identities.
+    Ids(Vec<SpiffeId>),
+    /// Any ServiceAccount of one namespace of one trust domain: the workloads
+    /// behind a remote Service, whose accounts the caller cannot know (with
+    /// name-constrained issuers, only that cluster's issuer mints them).
+    Namespace {
+        trust_domain: String,
+        namespace: String,
+    },
+}
+
+impl Expected {
+    pub fn admits(&self, id: &SpiffeId) -> bool {
+        match self {
+            Expected::Ids(ids) => ids.contains(id),
+            Expected::Namespace {
+                trust_domain,
+                namespace,
+            } => id.trust_domain() == trust_domain && id.namespace() == namespace,
+        }
+    }
+}
+
+impl std::fmt::Display for Expected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Expected::Ids(ids) => {
+                let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+                write!(f, "{}", ids.join(" or "))
+            }
+            Expected::Namespace {
+                trust_domain,
+                namespace,
+            } => write!(f, "spiffe://{trust_domain}/ns/{namespace}/sa/<any>"),
+        }
+    }
+}
+
+/// As [`client_config`], accepting the servers `expected` admits.
+pub fn client_config_expecting(
+    bundle: &TrustBundle,
+    cert: Arc<CertSlot>,
+    expected: Expected,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, TlsError> {
+    let verifier = Arc::new(SpiffeServerVerifier {
+        bundle: bundle.clone(),
+        expected,
+        provider: provider(),
+    });
     let mut config = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
@@ -139,7 +194,7 @@ pub fn peer_identity(peer_certs: Option<&[CertificateDer<'_>]>) -> Result<Spiffe
 #[derive(Debug)]
 pub struct SpiffeServerVerifier {
     bundle: TrustBundle,
-    expected: Vec<SpiffeId>,
+    expected: Expected,
     provider: Arc<CryptoProvider>,
 }
 
@@ -147,7 +202,7 @@ impl SpiffeServerVerifier {
     pub fn new(bundle: &TrustBundle, expected: Vec<SpiffeId>) -> Self {
         Self {
             bundle: bundle.clone(),
-            expected,
+            expected: Expected::Ids(expected),
             provider: provider(),
         }
     }
@@ -164,17 +219,12 @@ impl SpiffeServerVerifier {
             now,
             webpki::KeyUsage::server_auth(),
         )?;
-        if self.expected.contains(&id) {
+        if self.expected.admits(&id) {
             Ok(())
         } else {
             Err(Refusal::WrongIdentity {
                 got: id,
-                expected: self
-                    .expected
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(" or "),
+                expected: self.expected.to_string(),
             })
         }
     }

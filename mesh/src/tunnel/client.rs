@@ -108,8 +108,8 @@ pub(crate) async fn connect_tls(
 
 /// Opens a tunnel to `pod` through the node proxy at `node`: TCP, mutual TLS
 /// (the config presents the caller; the server must be `identity`, named in
-/// SNI), the header (with `source` when speaking for someone else), and the
-/// answer.
+/// SNI), the header (with `source` when speaking for someone else, and
+/// `end_to_end` when the caller's proxy proves itself inside), and the answer.
 pub async fn open_to_pod(
     config: Arc<rustls::ClientConfig>,
     node: SocketAddr,
@@ -117,6 +117,7 @@ pub async fn open_to_pod(
     identity: &SpiffeId,
     protocol: Protocol,
     source: Option<SpiffeId>,
+    end_to_end: bool,
 ) -> Result<ClientTls, TunnelError> {
     let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(node))
         .await
@@ -129,5 +130,40 @@ pub async fn open_to_pod(
     let target = Target::pod(pod).map_err(|e| TunnelError::Protocol(e.to_string(), node))?;
     let mut header = TunnelHeader::new(target, protocol);
     header.source = source;
+    header.end_to_end = end_to_end;
     handshake(tls, &header, node).await
+}
+
+/// The server name of end-to-end sessions: the destination's proxy answers as
+/// the tunnel's target pod, whatever the name.
+pub const END_TO_END_SERVER_NAME: &str = "end-to-end.identity.strait.internal";
+
+/// Opens the end-to-end session inside `stream`, a tunnel whose header said
+/// `end_to_end` and was answered OK: mutual TLS as the caller (`config`
+/// presents the caller pod's certificate and accepts the destination's
+/// workloads), then `inner` (the Service the caller asked for) and the
+/// destination's own answer. `peer` names the first hop in errors.
+pub async fn end_to_end<S>(
+    stream: S,
+    config: Arc<rustls::ClientConfig>,
+    inner: &TunnelHeader,
+    peer: SocketAddr,
+) -> Result<tokio_rustls::client::TlsStream<S>, TunnelError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let name =
+        rustls::pki_types::ServerName::try_from(END_TO_END_SERVER_NAME).expect("a valid DNS name");
+    let tls = tokio::time::timeout(
+        RESPONSE_TIMEOUT,
+        tokio_rustls::TlsConnector::from(config).connect(name, stream),
+    )
+    .await
+    .map_err(|_| {
+        TunnelError::Protocol("end-to-end TLS with the destination timed out".into(), peer)
+    })?
+    .map_err(|e| {
+        TunnelError::Protocol(format!("end-to-end TLS with the destination: {e}"), peer)
+    })?;
+    handshake(tls, inner, peer).await
 }

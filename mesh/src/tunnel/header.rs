@@ -22,6 +22,10 @@ pub(crate) mod field {
     pub const TARGET_SERVICE: u8 = 0x02;
     pub const SOURCE_IDENTITY: u8 = 0x03;
     pub const PROTOCOL: u8 = 0x04;
+    /// Critical, empty: an end-to-end mutual-TLS session between the caller's
+    /// node proxy and the destination's follows the answer (a receiver that
+    /// does not know it must refuse, not deliver TLS bytes to a pod).
+    pub const END_TO_END: u8 = 0x85;
 }
 
 /// Opens every tunnelled connection: where the bytes go, on whose behalf, and
@@ -33,6 +37,10 @@ pub struct TunnelHeader {
     /// (the gateway). Trusted only from peers allowed to speak for others.
     pub source: Option<SpiffeId>,
     pub protocol: Protocol,
+    /// After the answer, the caller's node proxy opens a TLS session with the
+    /// destination's node proxy inside the stream, as the caller: the proof of
+    /// who called, which the hops between can carry but not forge.
+    pub end_to_end: bool,
 }
 
 /// Where the receiver delivers the stream.
@@ -187,6 +195,7 @@ impl TunnelHeader {
             target,
             source: None,
             protocol,
+            end_to_end: false,
         }
     }
 
@@ -221,6 +230,9 @@ impl TunnelHeader {
                 wire::put_field(out, field::SOURCE_IDENTITY, source.to_string().as_bytes());
             }
             wire::put_field(out, field::PROTOCOL, &[self.protocol.code()]);
+            if self.end_to_end {
+                wire::put_field(out, field::END_TO_END, &[]);
+            }
         });
     }
 
@@ -238,6 +250,7 @@ impl TunnelHeader {
         let mut target = None;
         let mut source = None;
         let mut protocol = None;
+        let mut end_to_end = false;
         for f in wire::fields(Kind::Header, body) {
             let f = f?;
             match f.ty {
@@ -275,6 +288,20 @@ impl TunnelHeader {
                         });
                     }
                 }
+                field::END_TO_END => {
+                    if !f.value.is_empty() {
+                        return Err(malformed(format!(
+                            "end-to-end field is {} bytes, expected 0",
+                            f.value.len()
+                        )));
+                    }
+                    if std::mem::replace(&mut end_to_end, true) {
+                        return Err(HeaderError::DuplicateField {
+                            kind: Kind::Header,
+                            field: "end-to-end",
+                        });
+                    }
+                }
                 ty if ty & CRITICAL != 0 => {
                     return Err(HeaderError::UnknownCriticalField {
                         kind: Kind::Header,
@@ -294,6 +321,7 @@ impl TunnelHeader {
                 target,
                 source,
                 protocol: protocol.unwrap_or_default(),
+                end_to_end,
             },
             consumed,
         ))

@@ -80,6 +80,7 @@ impl Gen {
             target,
             source,
             protocol,
+            end_to_end: self.below(2) == 0,
         }
     }
 }
@@ -89,6 +90,7 @@ fn web() -> TunnelHeader {
         target: Target::service("web.default.svc.cluster.local", 8080).unwrap(),
         source: Some("spiffe://east.local/ns/shop/sa/web".parse().unwrap()),
         protocol: Protocol::Http2,
+        end_to_end: true,
     }
 }
 
@@ -170,6 +172,7 @@ fn the_largest_header_fits_well_inside_the_bound() {
         target: Target::service(&fqdn, 1).unwrap(),
         source: Some(source),
         protocol: Protocol::Opaque,
+        end_to_end: true,
     };
     let len = header.encode().len();
     assert!(len < 1024, "{len}");

@@ -28,6 +28,7 @@ use crate::view::{LocalPod, LocalPods};
 use http_tunnel::serve_http;
 use opening::{FIRST_BYTES_TIMEOUT, Guarded, Opening, opening};
 
+mod end_to_end;
 mod http_tunnel;
 mod opening;
 
@@ -62,7 +63,7 @@ impl Inbound {
     }
 
     /// The TLS handshake as the identity the client asked for (server name).
-    async fn accept(&self, stream: TcpStream) -> Result<(PeerTls, (String, String)), String> {
+    async fn accept(&self, stream: TcpStream) -> Result<Accepted, String> {
         let start =
             LazyConfigAcceptor::new(rustls::server::Acceptor::default(), ReadAhead::new(stream))
                 .await
@@ -97,10 +98,10 @@ impl Inbound {
             .server_config(&identity)
             .map_err(|e| e.to_string())?;
         let tls = start
-            .into_stream(config)
+            .into_stream(config.clone())
             .await
             .map_err(|e| format!("TLS handshake: {e}"))?;
-        Ok((tls, served))
+        Ok((tls, served, config))
     }
 
     async fn handle(
@@ -109,9 +110,10 @@ impl Inbound {
         peer: SocketAddr,
         drain: Drain,
     ) -> Result<(), String> {
-        let (mut tls, served) = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.accept(stream))
-            .await
-            .map_err(|_| "TLS handshake timed out".to_string())??;
+        let (mut tls, served, config) =
+            tokio::time::timeout(HANDSHAKE_TIMEOUT, self.accept(stream))
+                .await
+                .map_err(|_| "TLS handshake timed out".to_string())??;
         let client = tls::peer_identity(tls.get_ref().1.peer_certificates())
             .map_err(|e| format!("peer identity: {e}"))?;
         let header = match TunnelHeader::read_from(&mut tls, DEFAULT_READ_TIMEOUT).await {
@@ -143,16 +145,44 @@ impl Inbound {
             .write_to(&mut tls)
             .await
             .map_err(|e| format!("answering {client}: {e}"))?;
-        let labels = TcpLabels::inbound(&caller, &pod);
+        if header.end_to_end {
+            // Boxed, as the opaque path: only these tunnels pay for it.
+            return Box::pin(async move {
+                let pod_addr = upstream.peer_addr().map_err(|e| e.to_string())?;
+                let (inner, proven, protocol) =
+                    end_to_end::accept(tls, config, self.pods.as_ref(), &caller, pod_addr).await?;
+                self.deliver(inner, upstream, protocol, &proven, &pod, drain)
+                    .await
+            })
+            .await;
+        }
+        self.deliver(tls, upstream, header.protocol, &caller, &pod, drain)
+            .await
+    }
+
+    /// Delivers an admitted tunnel to its pod by the protocol its sender named.
+    async fn deliver<T>(
+        &self,
+        tls: T,
+        upstream: TcpStream,
+        protocol: Protocol,
+        caller: &SpiffeId,
+        pod: &LocalPod,
+        drain: Drain,
+    ) -> Result<(), String>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let caller = caller.clone();
+        let labels = TcpLabels::inbound(&caller, pod);
         self.metrics.tcp_open(&labels);
-        let result = match header.protocol {
+        let result = match protocol {
             // The sender detected HTTP (or was told by its client): no second
             // detection here. Requests are counted per caller, and the pod
             // learns who called (CLIENT_ID_HEADER), which no one else can set.
             Protocol::Http1 | Protocol::Http2 => {
                 let series = self.metrics.http(&labels);
-                let result =
-                    serve_http(tls, upstream, header.protocol, &caller, series, &drain).await;
+                let result = serve_http(tls, upstream, protocol, &caller, series, &drain).await;
                 self.metrics.tcp_close(&labels, 0, 0);
                 result
             }
@@ -168,14 +198,17 @@ impl Inbound {
     /// A tunnel the sender did not read as HTTP: read as HTTP here if its
     /// first bytes are, so no caller can bring its own `strait-client-id`
     /// ([`opening`] says how); else spliced.
-    async fn serve_opaque(
+    async fn serve_opaque<T>(
         &self,
-        mut tls: PeerTls,
+        mut tls: T,
         mut upstream: TcpStream,
         caller: &SpiffeId,
         labels: &TcpLabels,
         drain: &Drain,
-    ) -> Result<(), String> {
+    ) -> Result<(), String>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let opened = opening(&mut tls, &upstream, FIRST_BYTES_TIMEOUT).await;
         let spliced = match opened {
             Ok(Opening::Http(protocol, read)) => {
@@ -239,6 +272,16 @@ impl Inbound {
             }
             None => client.clone(),
         };
+        match (&header.source, header.end_to_end) {
+            (None, true) => return Err(Refusal::EndToEndDirect),
+            // The gateway's word is not enough: the caller proves itself.
+            (Some(source), false) => {
+                return Err(Refusal::SourceWithoutProof {
+                    claimed: source.clone(),
+                });
+            }
+            _ => {}
+        }
         let Target::Pod { addr } = header.target else {
             return Err(Refusal::NotAPod);
         };
@@ -281,6 +324,10 @@ impl Inbound {
     }
 }
 
+/// A handshake done: the session, the identity asked for (namespace,
+/// ServiceAccount) and the server config it was answered with.
+type Accepted = (PeerTls, (String, String), Arc<rustls::ServerConfig>);
+
 /// An admitted tunnel: its caller, the pod and a connection to it.
 struct Admitted {
     caller: SpiffeId,
@@ -295,6 +342,12 @@ pub enum Refusal {
     SourceClaim { client: SpiffeId, claimed: SpiffeId },
     #[error("a node proxy delivers to pods only; services are resolved by the sender")]
     NotAPod,
+    #[error("end-to-end sessions come through this cluster's gateway, with the caller it carries")]
+    EndToEndDirect,
+    #[error(
+        "the gateway names {claimed} as the caller without the caller's end-to-end proof: every node proxy must be a version that sends it"
+    )]
+    SourceWithoutProof { claimed: SpiffeId },
     #[error("no pod with IP {ip} runs on node {node}")]
     UnknownPod { ip: IpAddr, node: String },
     #[error("pod {pod} runs as {runs_as}, not as the identity the client asked for ({asked})")]
@@ -316,8 +369,11 @@ pub enum Refusal {
 impl Refusal {
     pub fn status(&self) -> ResponseStatus {
         match self {
-            Refusal::SourceClaim { .. } | Refusal::NotThatIdentity { .. } => ResponseStatus::Denied,
+            Refusal::SourceClaim { .. }
+            | Refusal::NotThatIdentity { .. }
+            | Refusal::SourceWithoutProof { .. } => ResponseStatus::Denied,
             Refusal::NotAPod | Refusal::UnknownPod { .. } => ResponseStatus::NotFound,
+            Refusal::EndToEndDirect => ResponseStatus::BadHeader,
             Refusal::Connect { .. } | Refusal::ConnectTimeout { .. } => {
                 ResponseStatus::TargetUnavailable
             }

@@ -14,7 +14,7 @@ use hyper_util::rt::TokioIo;
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::io::ClientTls;
-use strait_mesh::tunnel::client::{TunnelError, open_to_pod};
+use strait_mesh::tunnel::client::{TunnelError, end_to_end, open_to_pod};
 use strait_mesh::tunnel::quic::{GatewayClient, GatewayStream};
 use strait_mesh::tunnel::{Protocol, Target, TunnelHeader};
 use tokio_util::either::Either;
@@ -22,9 +22,13 @@ use tokio_util::either::Either;
 use crate::identity::PodIdentities;
 use crate::view::{Endpoint, Via};
 
-/// A tunnel: to a node proxy (TCP + TLS, `Left`), or to a remote gateway (a
-/// QUIC stream, or TCP + TLS on fallback, `Right`).
-pub type TunnelStream = Either<Box<ClientTls>, GatewayStream>;
+/// A tunnel: to a node proxy (TCP + TLS, `Left`), or through a remote gateway
+/// (a QUIC stream, or TCP + TLS on fallback) to the destination's node proxy,
+/// end to end inside (`Right`).
+pub type TunnelStream = Either<Box<ClientTls>, Box<EndToEnd>>;
+
+/// The end-to-end session inside a gateway stream.
+pub type EndToEnd = tokio_rustls::client::TlsStream<GatewayStream>;
 
 /// Everything needed to open a tunnel to any endpoint for a caller.
 #[derive(Clone)]
@@ -70,6 +74,7 @@ impl Opener {
                     &endpoint.identity,
                     protocol,
                     None,
+                    false,
                 )
                 .await?;
                 Ok(Either::Left(Box::new(tls)))
@@ -82,12 +87,27 @@ impl Opener {
                 })?;
                 let target = Target::service(service, *port)
                     .map_err(|e| TunnelError::Protocol(e.to_string(), endpoint.addr))?;
-                let mut header = TunnelHeader::new(target, protocol);
+                // The outer header: what the gateway needs to route and
+                // decide early (the caller it is told about); the inner
+                // session proves that caller to the destination's proxy,
+                // which accepts only workloads of the Service's namespace in
+                // the gateway's cluster (trust domain) as the far end.
+                let mut header = TunnelHeader::new(target.clone(), protocol);
                 header.source = Some(source.id());
+                header.end_to_end = true;
                 let stream = gateways
                     .open(endpoint.addr, &endpoint.identity, &header)
                     .await?;
-                Ok(Either::Right(stream))
+                let namespace = service.split('.').nth(1).unwrap_or_default();
+                let config = self.configs.end_to_end(
+                    &self.identities,
+                    source,
+                    endpoint.identity.trust_domain(),
+                    namespace,
+                )?;
+                let inner = TunnelHeader::new(target, protocol);
+                let tls = end_to_end(stream, config, &inner, endpoint.addr).await?;
+                Ok(Either::Right(Box::new(tls)))
             }
         }
     }
@@ -96,7 +116,10 @@ impl Opener {
 /// Client configs by (source, destination), built once: building one
 /// validates the trust anchors, too slow to do per connection.
 #[derive(Default)]
-struct ConfigCache(Mutex<HashMap<(SpiffeId, SpiffeId), Arc<rustls::ClientConfig>>>);
+struct ConfigCache(
+    Mutex<HashMap<(SpiffeId, SpiffeId), Arc<rustls::ClientConfig>>>,
+    Mutex<HashMap<(SpiffeId, String, String), Arc<rustls::ClientConfig>>>,
+);
 
 impl ConfigCache {
     fn get(
@@ -113,6 +136,29 @@ impl ConfigCache {
             .client_config(source, destination.clone())
             .map_err(|e| TunnelError::Config(e.to_string()))?;
         self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, config.clone());
+        Ok(config)
+    }
+
+    /// The end-to-end session's config: presents `source`, accepts any
+    /// workload of `namespace` in `trust_domain`.
+    fn end_to_end(
+        &self,
+        identities: &PodIdentities,
+        source: &ManagedIdentity,
+        trust_domain: &str,
+        namespace: &str,
+    ) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+        let key = (source.id(), trust_domain.to_string(), namespace.to_string());
+        if let Some(found) = self.1.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(found.clone());
+        }
+        let config = identities
+            .end_to_end_config(source, trust_domain, namespace)
+            .map_err(|e| TunnelError::Config(e.to_string()))?;
+        self.1
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, config.clone());
@@ -231,7 +277,9 @@ pub(super) struct FallbackTcp;
 impl Connection for TunnelIo {
     fn connected(&self) -> Connected {
         match self.0.inner() {
-            Either::Right(s) if s.transport() == "tcp" => Connected::new().extra(FallbackTcp),
+            Either::Right(s) if s.get_ref().0.transport() == "tcp" => {
+                Connected::new().extra(FallbackTcp)
+            }
             _ => Connected::new(),
         }
     }
