@@ -12,6 +12,14 @@
 //! `STRAIT_BENCH_DELAY_MS=25` each way, `STRAIT_BENCH_LOSS=1` percent.) The
 //! WAN is shaped by testenv's NFQUEUE delay (this kernel has no netem): every
 //! packet crosses user space once, for both transports alike.
+//!
+//! Then, unshaped, the cost of end-to-end caller identity: the same path with
+//! the node proxies at `--end-to-end-identity=strict` (the default: the
+//! caller's proxy opens a TLS session as the caller inside the gateway
+//! stream) and at `off`, in interleaved rounds (`STRAIT_BENCH_REPEAT`, 3;
+//! the order alternates), at `STRAIT_BENCH_E2E_RATES` (1000,10000): CPU of
+//! the Strait processes on the path per 1 000 requests, latency, and bulk.
+//! `STRAIT_BENCH_RATES=` (empty) runs only the unshaped parts.
 
 // The proxy tests' additions to `strait_testenv::fixture` (transparent pods).
 #[path = "../tests/common/mod.rs"]
@@ -409,4 +417,119 @@ async fn main() {
         median(quic_setup),
         median(tcp_setup)
     );
+    end_to_end_cost(&mut east, &mut west, gw_pid, secs).await;
+}
+
+/// Restarts every node proxy of `mesh` (not the gateway, pushed after them)
+/// with `--end-to-end-identity=mode`.
+async fn proxies_in_mode(mesh: &mut Mesh, mode: &str) {
+    let binary = workspace_binary("strait-proxy");
+    let nodes: Vec<strait_testenv::NetNode> = mesh.topology.nodes().to_vec();
+    let flag = format!("--end-to-end-identity={mode}");
+    for (i, node) in nodes.iter().enumerate() {
+        mesh.proxies[i].stop(Duration::from_secs(3));
+        let child = spawn_proxy_with(mesh, node, &binary, &[flag.as_str()]);
+        mesh.proxies[i] = child;
+    }
+    for node in &nodes {
+        proxy_ready(node).await;
+    }
+}
+
+fn median_f(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The A/B of end-to-end caller identity (see the module doc).
+async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u64) {
+    let rates: Vec<u32> = std::env::var("STRAIT_BENCH_E2E_RATES")
+        .unwrap_or_else(|_| "1000,10000".into())
+        .split(',')
+        .filter_map(|r| r.trim().parse().ok())
+        .collect();
+    let rounds: usize = env_or("STRAIT_BENCH_REPEAT", 3);
+    // (mode, rate) → per round: vCPU per 1 000 rps of the path, p50, p99, errors, achieved rps.
+    let mut runs: std::collections::BTreeMap<(&str, u32), Vec<[f64; 5]>> = Default::default();
+    let mut bulk: std::collections::BTreeMap<&str, Vec<(f64, f64)>> = Default::default();
+    for round in 0..rounds {
+        let order = if round % 2 == 0 {
+            ["off", "strict"]
+        } else {
+            ["strict", "off"]
+        };
+        for mode in order {
+            proxies_in_mode(east, mode).await;
+            proxies_in_mode(west, mode).await;
+            eventually("east reaches west", WAIT, || async {
+                answered_by(&curl(east, &[URL]))
+            })
+            .await;
+            let n = west.topology.nodes().len();
+            let mut pids = vec![east.proxies[0].pid().unwrap(), gw_pid];
+            pids.extend(west.proxies[..n].iter().map(|p| p.pid().unwrap()));
+            let cpu = || pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+            for &rate in &rates {
+                let before = cpu();
+                let r = load(east, rate, secs);
+                // The load's warm-up runs before the measured seconds.
+                let spent = cpu() - before;
+                let achieved = r["achieved_rps"].as_f64().unwrap_or(0.0);
+                let per_1k = spent / (secs as f64 + 3.0) / (achieved.max(1.0) / 1000.0);
+                runs.entry((mode, rate)).or_default().push([
+                    per_1k,
+                    r["p50_ms"].as_f64().unwrap_or(0.0),
+                    r["p99_ms"].as_f64().unwrap_or(0.0),
+                    r["errors"].as_f64().unwrap_or(0.0),
+                    achieved,
+                ]);
+            }
+            let before = cpu();
+            let client_pod = &east.pods["client"].0;
+            if let Ok((gbits, _)) = iperf(client_pod, "127.0.0.1", SHIM_PORT, secs) {
+                bulk.entry(mode).or_default().push((gbits, cpu() - before));
+            }
+        }
+    }
+    println!(
+        "\nend-to-end caller identity, unshaped, 100 connections, 1 KiB POSTs, {secs} s per run, {rounds} interleaved rounds (medians; CPU: east proxy + gateway + west proxies)"
+    );
+    println!(
+        "{:<8} {:>6} {:>10} {:>15} {:>8} {:>8} {:>7}",
+        "mode", "rps", "achieved", "vCPU s / 1k rq", "p50 ms", "p99 ms", "errors"
+    );
+    for ((mode, rate), v) in &runs {
+        let col = |i: usize| median_f(v.iter().map(|r| r[i]).collect());
+        println!(
+            "{mode:<8} {rate:>6} {:>10.0} {:>15.3} {:>8.2} {:>8.2} {:>7.0}",
+            col(4),
+            col(0),
+            col(1),
+            col(2),
+            v.iter().map(|r| r[3]).sum::<f64>()
+        );
+    }
+    for &rate in &rates {
+        let med = |mode, i: usize| median_f(runs[&(mode, rate)].iter().map(|r| r[i]).collect());
+        println!(
+            "ratio strict/off at {rate} rps: CPU per request {:.2}, p50 {:.2}, p99 {:.2}",
+            med("strict", 0) / med("off", 0),
+            med("strict", 1) / med("off", 1),
+            med("strict", 2) / med("off", 2)
+        );
+    }
+    for (mode, v) in &bulk {
+        println!(
+            "bulk {mode:<7} Gbit/s per round {:?}, median {:.2}; path CPU s median {:.1}",
+            v.iter()
+                .map(|(g, _)| (g * 100.0).round() / 100.0)
+                .collect::<Vec<_>>(),
+            median_f(v.iter().map(|(g, _)| *g).collect()),
+            median_f(v.iter().map(|(_, c)| *c).collect())
+        );
+    }
+    if let (Some(on), Some(off)) = (bulk.get("strict"), bulk.get("off")) {
+        let g = |v: &Vec<(f64, f64)>| median_f(v.iter().map(|(g, _)| *g).collect());
+        println!("ratio strict/off bulk: {:.2}", g(on) / g(off));
+    }
 }

@@ -20,22 +20,55 @@ use strait_mesh::identity::tls::{self, TrustBundle};
 
 pub use strait_mesh::tunnel::{TUNNEL_ALPN, parse_server_name, server_name_for};
 
+/// How callers are proven through gateways (`--end-to-end-identity`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum EndToEnd {
+    /// Send the proof; refuse a gateway-carried caller without one (default).
+    #[default]
+    Strict,
+    /// Send the proof; believe this cluster's gateway about a caller that
+    /// brings none (while linked clusters still run proxies without it).
+    Permissive,
+    /// Neither send nor require it (to call through gateways that do not know
+    /// the end-to-end field yet); the gateway's word is believed.
+    Off,
+}
+
+impl EndToEnd {
+    /// Whether calls through gateways carry the caller's proof.
+    pub fn sends(self) -> bool {
+        self != EndToEnd::Off
+    }
+
+    /// Whether a gateway-carried caller must prove itself.
+    pub fn requires(self) -> bool {
+        self == EndToEnd::Strict
+    }
+}
+
 /// Identities of this node's pods, by (namespace, service account).
 #[derive(Debug)]
 pub struct PodIdentities {
     store: IdentityStore,
     bundle: TrustBundle,
     trust_domain: String,
+    end_to_end: EndToEnd,
     by_account: RwLock<HashMap<(String, String), Arc<ManagedIdentity>>>,
     server_configs: RwLock<HashMap<(String, String), Arc<rustls::ServerConfig>>>,
 }
 
 impl PodIdentities {
-    pub fn new(store: IdentityStore, bundle: TrustBundle, trust_domain: &str) -> Arc<Self> {
+    pub fn new(
+        store: IdentityStore,
+        bundle: TrustBundle,
+        trust_domain: &str,
+        end_to_end: EndToEnd,
+    ) -> Arc<Self> {
         Arc::new(Self {
             store,
             bundle,
             trust_domain: trust_domain.to_string(),
+            end_to_end,
             by_account: RwLock::new(HashMap::new()),
             server_configs: RwLock::new(HashMap::new()),
         })
@@ -47,6 +80,10 @@ impl PodIdentities {
 
     pub fn trust_domain(&self) -> &str {
         &self.trust_domain
+    }
+
+    pub fn end_to_end(&self) -> EndToEnd {
+        self.end_to_end
     }
 
     /// The identity of `pod` (running as `service_account`), fetched once per

@@ -39,6 +39,17 @@ struct Args {
     /// Trust domain of workload identities.
     #[arg(long, env = "STRAIT_TRUST_DOMAIN", default_value = "cluster.local")]
     trust_domain: String,
+    /// Callers through gateways: `strict` sends the caller's end-to-end proof and refuses
+    /// gateway-carried callers without one; `permissive` sends it and also believes this
+    /// cluster's gateway about callers that bring none; `off` neither (for gateways of older
+    /// versions). Upgrades: `permissive` until every linked cluster runs this version.
+    #[arg(
+        long,
+        env = "STRAIT_END_TO_END_IDENTITY",
+        value_enum,
+        default_value = "strict"
+    )]
+    end_to_end_identity: strait_proxy::identity::EndToEnd,
     /// The cluster's DNS domain.
     #[arg(long, env = "STRAIT_CLUSTER_DOMAIN", default_value = "cluster.local")]
     cluster_domain: String,
@@ -168,7 +179,8 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         .await
         .context("getting the proxy's own identity from the issuer")?;
     tracing::info!(identity = %own.id(), "identity loaded");
-    let identities = PodIdentities::new(store, bundle, &args.trust_domain);
+    let identities =
+        PodIdentities::new(store, bundle, &args.trust_domain, args.end_to_end_identity);
 
     let client = kube::Client::try_default()
         .await

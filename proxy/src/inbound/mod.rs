@@ -275,7 +275,7 @@ impl Inbound {
         match (&header.source, header.end_to_end) {
             (None, true) => return Err(Refusal::EndToEndDirect),
             // The gateway's word is not enough: the caller proves itself.
-            (Some(source), false) => {
+            (Some(source), false) if self.identities.end_to_end().requires() => {
                 return Err(Refusal::SourceWithoutProof {
                     claimed: source.clone(),
                 });

@@ -25,7 +25,7 @@ use crate::view::{Endpoint, Via};
 /// A tunnel: to a node proxy (TCP + TLS, `Left`), or through a remote gateway
 /// (a QUIC stream, or TCP + TLS on fallback) to the destination's node proxy,
 /// end to end inside (`Right`).
-pub type TunnelStream = Either<Box<ClientTls>, Box<EndToEnd>>;
+pub type TunnelStream = Either<Box<ClientTls>, Either<GatewayStream, Box<EndToEnd>>>;
 
 /// The end-to-end session inside a gateway stream.
 pub type EndToEnd = tokio_rustls::client::TlsStream<GatewayStream>;
@@ -94,10 +94,13 @@ impl Opener {
                 // the gateway's cluster (trust domain) as the far end.
                 let mut header = TunnelHeader::new(target.clone(), protocol);
                 header.source = Some(source.id());
-                header.end_to_end = true;
+                header.end_to_end = self.identities.end_to_end().sends();
                 let stream = gateways
                     .open(endpoint.addr, &endpoint.identity, &header)
                     .await?;
+                if !header.end_to_end {
+                    return Ok(Either::Right(Either::Left(stream)));
+                }
                 let namespace = service.split('.').nth(1).unwrap_or_default();
                 let config = self.configs.end_to_end(
                     &self.identities,
@@ -107,7 +110,7 @@ impl Opener {
                 )?;
                 let inner = TunnelHeader::new(target, protocol);
                 let tls = end_to_end(stream, config, &inner, endpoint.addr).await?;
-                Ok(Either::Right(Box::new(tls)))
+                Ok(Either::Right(Either::Right(Box::new(tls))))
             }
         }
     }
@@ -277,7 +280,10 @@ pub(super) struct FallbackTcp;
 impl Connection for TunnelIo {
     fn connected(&self) -> Connected {
         match self.0.inner() {
-            Either::Right(s) if s.get_ref().0.transport() == "tcp" => {
+            Either::Right(Either::Left(s)) if s.transport() == "tcp" => {
+                Connected::new().extra(FallbackTcp)
+            }
+            Either::Right(Either::Right(s)) if s.get_ref().0.transport() == "tcp" => {
                 Connected::new().extra(FallbackTcp)
             }
             _ => Connected::new(),
