@@ -114,6 +114,8 @@ pub struct Gateway {
     next: AtomicUsize,
     /// Streams open now (for the drain).
     active: Arc<AtomicUsize>,
+    /// Refusals are logged once a minute per peer at most (all are counted).
+    refusal_log: strait_mesh::telemetry::PeerLogLimit,
 }
 
 struct StreamGuard(Arc<AtomicUsize>, Gauge);
@@ -142,6 +144,7 @@ impl Gateway {
             configs: Mutex::new(HashMap::new()),
             next: AtomicUsize::new(0),
             active: Arc::default(),
+            refusal_log: Default::default(),
         })
     }
 
@@ -382,7 +385,9 @@ impl Gateway {
             }
             Err(refusal) => {
                 self.deny(header.source.as_ref().unwrap_or(&peer), refusal.reason());
-                tracing::info!(%peer, source = ?header.source.as_ref().map(ToString::to_string), "refused: {refusal}");
+                if self.refusal_log.allow(&peer.to_string()) {
+                    tracing::info!(%peer, source = ?header.source.as_ref().map(ToString::to_string), "refused: {refusal}");
+                }
                 let _ = TunnelResponse::refused(refusal.status(), refusal.to_string())
                     .write_to(&mut stream)
                     .await;

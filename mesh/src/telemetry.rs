@@ -64,3 +64,62 @@ mod tests {
         assert!(err.contains("plain") && err.contains("json"), "{err}");
     }
 }
+
+/// At most one log line per peer per [`PeerLogLimit::INTERVAL`]: what a
+/// refusal logs, so a peer retrying in a loop cannot flood the log (its
+/// refusals are still counted). At most [`PeerLogLimit::MAX_PEERS`] peers
+/// are remembered; when full, entries older than the interval are dropped
+/// and, if none is, the line is skipped.
+#[derive(Clone, Debug, Default)]
+pub struct PeerLogLimit {
+    logged: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>>,
+}
+
+impl PeerLogLimit {
+    pub const INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+    pub const MAX_PEERS: usize = 4096;
+
+    /// Whether a line about `peer` may be logged now.
+    pub fn allow(&self, peer: &str) -> bool {
+        self.allow_at(peer, std::time::Instant::now())
+    }
+
+    fn allow_at(&self, peer: &str, now: std::time::Instant) -> bool {
+        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(last) = logged.get(peer)
+            && now.duration_since(*last) < Self::INTERVAL
+        {
+            return false;
+        }
+        if logged.len() >= Self::MAX_PEERS && !logged.contains_key(peer) {
+            logged.retain(|_, t| now.duration_since(*t) < Self::INTERVAL);
+            if logged.len() >= Self::MAX_PEERS {
+                return false;
+            }
+        }
+        logged.insert(peer.to_string(), now);
+        true
+    }
+}
+
+#[cfg(test)]
+mod peer_log_limit_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn one_line_per_peer_per_interval_and_bounded() {
+        let log = PeerLogLimit::default();
+        let t0 = Instant::now();
+        assert!(log.allow_at("spiffe://a/ns/x/sa/y", t0));
+        assert!(!log.allow_at("spiffe://a/ns/x/sa/y", t0 + Duration::from_secs(59)));
+        assert!(log.allow_at("spiffe://a/ns/x/sa/z", t0));
+        assert!(log.allow_at("spiffe://a/ns/x/sa/y", t0 + PeerLogLimit::INTERVAL));
+        for i in 0..PeerLogLimit::MAX_PEERS * 2 {
+            log.allow_at(&format!("peer-{i}"), t0);
+        }
+        assert!(log.logged.lock().unwrap().len() <= PeerLogLimit::MAX_PEERS);
+        // Once the old entries age out, new peers are logged again.
+        assert!(log.allow_at("late", t0 + PeerLogLimit::INTERVAL * 2));
+    }
+}

@@ -266,6 +266,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         identities,
         pods: view,
         metrics,
+        refusal_log: Default::default(),
     });
     if per_core {
         // This thread serves too: threads - 1 more, each with its own

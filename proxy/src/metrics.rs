@@ -15,6 +15,12 @@ use strait_mesh::identity::SpiffeId;
 use crate::view::LocalPod;
 
 /// Who talked to whom.
+/// Labels of `inbound_refusals_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
     pub direction: String,
@@ -72,6 +78,8 @@ pub struct ProxyMetrics {
     latency: Family<TcpLabels, Histogram>,
     retries: Family<TcpLabels, Counter>,
     budget_exhausted: Family<TcpLabels, Counter>,
+    /// Tunnels the inbound side refused, by reason (a bounded set).
+    inbound_refusals: Family<RefusalLabels, Counter>,
     /// The outbound side's series by (source, destination): one lookup per
     /// request instead of one per metric, and no label built or cloned.
     outbound_http: Arc<Mutex<HashMap<SpiffeId, HashMap<SpiffeId, HttpSeries>>>>,
@@ -159,8 +167,16 @@ impl ProxyMetrics {
             }),
             retries: Family::default(),
             budget_exhausted: Family::default(),
+            inbound_refusals: Family::default(),
             outbound_http: Arc::default(),
         }
+    }
+
+    /// Counts a tunnel the inbound side refused.
+    pub fn inbound_refused(&self, reason: &'static str) {
+        self.inbound_refusals
+            .get_or_create(&RefusalLabels { reason })
+            .inc();
     }
 
     /// The HTTP series of `labels` (an inbound tunnel's, resolved once per
@@ -212,6 +228,11 @@ impl ProxyMetrics {
 
     pub fn register(&self, registry: &mut Registry) {
         registry.register("tcp_open", "Connections opened", self.tcp_open.clone());
+        registry.register(
+            "inbound_refusals",
+            "Tunnels the inbound side refused before any byte reached a pod, by reason",
+            self.inbound_refusals.clone(),
+        );
         registry.register("tcp_close", "Connections closed", self.tcp_close.clone());
         registry.register(
             "tcp_read_bytes",

@@ -233,7 +233,19 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
         "{answer}"
     );
     assert!(!answer.contains("sa/admin"), "{answer}");
-    // The claimed identity never reached a pod.
+    // Both refusals counted by the destination's node proxy (wherever the
+    // gateway sent them), and the claimed identity never reached a pod.
+    let mut counted = [0.0, 0.0];
+    for node in mesh.topology.nodes() {
+        let m = metrics(IpAddr::V4(node.ip())).await;
+        counted[0] += metric_sum(&m, "inbound_refusals_total", &["reason=\"no-proof\""]);
+        counted[1] += metric_sum(&m, "inbound_refusals_total", &["reason=\"forged-source\""]);
+    }
+    assert_eq!(
+        counted,
+        [1.0, 1.0],
+        "inbound refusals (no-proof, forged-source)"
+    );
     for node in mesh.topology.nodes() {
         let m = metrics(IpAddr::V4(node.ip())).await;
         assert_eq!(

@@ -44,6 +44,17 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// The `reason` label of `inbound_refusals_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::ForgedSource { .. } => "forged-source",
+            Refusal::NotAService(_) => "end-to-end-target",
+            Refusal::UnknownService { .. } => "unknown-service",
+            Refusal::NotInService { .. } => "not-in-service",
+            Refusal::Policy { .. } => "policy",
+        }
+    }
+
     pub fn status(&self) -> ResponseStatus {
         match self {
             Refusal::ForgedSource { .. } | Refusal::Policy { .. } => ResponseStatus::Denied,
@@ -93,6 +104,19 @@ pub fn authorize(
     Ok(())
 }
 
+/// Why a session did not open: refused (answered inside it), or broken.
+#[derive(Debug)]
+pub enum Failure {
+    Refused(Refusal),
+    Broken(String),
+}
+
+impl From<String> for Failure {
+    fn from(e: String) -> Self {
+        Failure::Broken(e)
+    }
+}
+
 /// Runs the session's server side over `outer` (already answered OK): the
 /// handshake as the pod (`config`), the caller's header, the decision and
 /// its answer. Returns the session, the proven caller and the protocol the
@@ -103,7 +127,7 @@ pub async fn accept<S>(
     pods: &dyn LocalPods,
     claimed: &SpiffeId,
     pod: SocketAddr,
-) -> Result<(tokio_rustls::server::TlsStream<S>, SpiffeId, Protocol), String>
+) -> Result<(tokio_rustls::server::TlsStream<S>, SpiffeId, Protocol), Failure>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -122,16 +146,15 @@ where
             if let Some(answer) = TunnelResponse::for_header_error(&e) {
                 let _ = answer.write_to(&mut inner).await;
             }
-            return Err(format!("end-to-end header from {proven}: {e}"));
+            return Err(format!("end-to-end header from {proven}: {e}").into());
         }
     };
     if let Err(refusal) = authorize(pods, &header, claimed, &proven, pod) {
-        tracing::warn!(%claimed, %proven, "end-to-end caller refused: {refusal}");
         let _ = TunnelResponse::refused(refusal.status(), refusal.to_string())
             .write_to(&mut inner)
             .await;
         let _ = inner.shutdown().await;
-        return Err(refusal.to_string());
+        return Err(Failure::Refused(refusal));
     }
     TunnelResponse::ok()
         .write_to(&mut inner)

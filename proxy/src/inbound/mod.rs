@@ -42,6 +42,8 @@ pub struct Inbound {
     pub identities: Arc<PodIdentities>,
     pub pods: Arc<dyn LocalPods>,
     pub metrics: ProxyMetrics,
+    /// Refusals are logged once a minute per peer at most (all are counted).
+    pub refusal_log: strait_mesh::telemetry::PeerLogLimit,
 }
 
 impl Inbound {
@@ -132,7 +134,10 @@ impl Inbound {
         } = match self.admit(&header, &client, &served).await {
             Ok(admitted) => admitted,
             Err(refusal) => {
-                tracing::info!(%peer, client = %client, "refused: {refusal}");
+                self.metrics.inbound_refused(refusal.reason());
+                if self.refusal_log.allow(&client.to_string()) {
+                    tracing::info!(%peer, client = %client, "refused: {refusal}");
+                }
                 let _ = TunnelResponse::refused(refusal.status(), refusal.to_string())
                     .write_to(&mut tls)
                     .await;
@@ -149,8 +154,19 @@ impl Inbound {
             // Boxed, as the opaque path: only these tunnels pay for it.
             return Box::pin(async move {
                 let pod_addr = upstream.peer_addr().map_err(|e| e.to_string())?;
-                let (inner, proven, protocol) =
-                    end_to_end::accept(tls, config, self.pods.as_ref(), &caller, pod_addr).await?;
+                let accepted =
+                    end_to_end::accept(tls, config, self.pods.as_ref(), &caller, pod_addr).await;
+                let (inner, proven, protocol) = match accepted {
+                    Ok(session) => session,
+                    Err(end_to_end::Failure::Refused(refusal)) => {
+                        self.metrics.inbound_refused(refusal.reason());
+                        if self.refusal_log.allow(&caller.to_string()) {
+                            tracing::warn!(%peer, claimed = %caller, "end-to-end caller refused: {refusal}");
+                        }
+                        return Err(refusal.to_string());
+                    }
+                    Err(end_to_end::Failure::Broken(e)) => return Err(e),
+                };
                 self.deliver(inner, upstream, protocol, &proven, &pod, drain)
                     .await
             })
@@ -367,6 +383,19 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// The `reason` label of `inbound_refusals_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::SourceClaim { .. } => "source-claim",
+            Refusal::NotAPod => "not-a-pod",
+            Refusal::EndToEndDirect => "end-to-end-direct",
+            Refusal::SourceWithoutProof { .. } => "no-proof",
+            Refusal::UnknownPod { .. } => "unknown-pod",
+            Refusal::NotThatIdentity { .. } => "not-that-identity",
+            Refusal::Connect { .. } | Refusal::ConnectTimeout { .. } => "pod-unavailable",
+        }
+    }
+
     pub fn status(&self) -> ResponseStatus {
         match self {
             Refusal::SourceClaim { .. }
