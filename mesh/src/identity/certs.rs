@@ -172,6 +172,18 @@ pub fn spiffe_id_of(der: &[u8]) -> Option<SpiffeId> {
     ids.next().is_none().then_some(first)
 }
 
+/// Whether `cert` may sign certificates: a CA, with keyCertSign when it has
+/// a key usage at all.
+pub fn can_sign(cert: &X509Certificate<'_>) -> bool {
+    let key_cert_sign = cert
+        .key_usage()
+        .ok()
+        .flatten()
+        .map(|ku| ku.value.key_cert_sign())
+        .unwrap_or(true);
+    cert.is_ca() && key_cert_sign
+}
+
 /// Checks that `cert` (with `key`) can act as an issuer under `anchors` at `now`:
 /// a CA, the key matches, currently valid, and signed by one of the anchors.
 pub fn validate_issuer(
@@ -182,13 +194,7 @@ pub fn validate_issuer(
     now: UnixTime,
 ) -> Result<(), CertError> {
     let cert = x509(what, cert_der)?;
-    let can_sign = cert
-        .key_usage()
-        .ok()
-        .flatten()
-        .map(|ku| ku.value.key_cert_sign())
-        .unwrap_or(true);
-    if !cert.is_ca() || !can_sign {
+    if !can_sign(&cert) {
         return Err(CertError::NotCa {
             what: what.to_string(),
         });

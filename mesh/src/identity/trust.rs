@@ -339,13 +339,7 @@ impl Anchors {
         let cert = X509Certificate::from_der(der)
             .map_err(|e| Refusal::BadChain(format!("issuer certificate: {e}")))?
             .1;
-        let can_sign = cert
-            .key_usage()
-            .ok()
-            .flatten()
-            .map(|ku| ku.value.key_cert_sign())
-            .unwrap_or(true);
-        if !cert.is_ca() || !can_sign {
+        if !certs::can_sign(&cert) {
             return Err(Refusal::BadChain(
                 "the issuer certificate is not a CA with keyCertSign".into(),
             ));
