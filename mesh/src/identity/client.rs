@@ -478,7 +478,19 @@ impl Worker {
                 changed = anchors.changed() => changed.is_ok(),
             };
             if rotated {
-                if self.on_active_anchor() {
+                // The gauge answers for the bundle of now, not the one the
+                // certificate was fetched under: an operator waits on it
+                // before dropping the old anchor.
+                let on_active = self.on_active_anchor();
+                if let Some(id) = ids.borrow().as_ref() {
+                    self.metrics
+                        .active_anchor
+                        .get_or_create(&IdentityLabels {
+                            identity: id.to_string(),
+                        })
+                        .set(i64::from(on_active));
+                }
+                if on_active {
                     continue;
                 }
                 tokio::time::sleep(jitter(Duration::from_secs(1))).await;
