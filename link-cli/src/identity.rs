@@ -58,6 +58,9 @@ pub enum IdentityCommand {
         #[arg(long)]
         trust_anchors: Option<PathBuf>,
     },
+    /// Move a cluster's trust anchors (and issuer) one step along a rotation, refusing
+    /// steps that would break mTLS: old+new, then new+old with --issuer-dir, then new.
+    Rotate(crate::rotate::RotateArgs),
     /// Show subject, SANs, validity and chain of the certificates in a PEM file.
     Inspect { file: PathBuf },
     /// Check that an issuer can sign: a CA, key matches, valid now, signed by an anchor.
@@ -168,6 +171,13 @@ pub fn run(command: IdentityCommand) -> anyhow::Result<()> {
                     bail!("say where the issuer goes: --out-dir DIR, or -o yaml|json for a Secret")
                 }
             }
+            Ok(())
+        }
+        IdentityCommand::Rotate(args) => {
+            print!(
+                "{}",
+                crate::runtime()?.block_on(crate::rotate::rotate(args))?
+            );
             Ok(())
         }
         IdentityCommand::Inspect { file } => {

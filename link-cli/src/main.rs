@@ -7,6 +7,7 @@ mod gateways;
 mod identity;
 mod install;
 mod link;
+mod rotate;
 
 use clap::{Parser, Subcommand};
 use strait_mesh::telemetry::{LogFormat, init_tracing};

@@ -441,6 +441,16 @@ fn median_f(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// Tunnels whose caller proved its identity end to end, on all of `west`'s node proxies.
+async fn proven(west: &Mesh) -> f64 {
+    let mut sum = 0.0;
+    for node in west.topology.nodes() {
+        let text = strait_testenv::fixture::proxy_metrics(node).await;
+        sum += metric_sum(&text, "inbound_end_to_end_proven_total", &[]);
+    }
+    sum
+}
+
 /// The A/B of end-to-end caller identity (see the module doc).
 async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u64) {
     let rates: Vec<u32> = std::env::var("STRAIT_BENCH_E2E_RATES")
@@ -469,6 +479,7 @@ async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u6
             let mut pids = vec![east.proxies[0].pid().unwrap(), gw_pid];
             pids.extend(west.proxies[..n].iter().map(|p| p.pid().unwrap()));
             let cpu = || pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+            let proven_before = proven(west).await;
             for &rate in &rates {
                 let before = cpu();
                 let r = load(east, rate, secs);
@@ -484,6 +495,13 @@ async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u6
                     achieved,
                 ]);
             }
+            // The mode took effect: strict requests were proven end to end, off ones not.
+            let proven_now = proven(west).await - proven_before;
+            assert_eq!(
+                proven_now > 0.0,
+                mode == "strict",
+                "{mode}: {proven_now} tunnels proven end to end on west's node proxies"
+            );
             let before = cpu();
             let client_pod = &east.pods["client"].0;
             if let Ok((gbits, _)) = iperf(client_pod, "127.0.0.1", SHIM_PORT, secs) {

@@ -80,6 +80,7 @@ pub struct ProxyMetrics {
     budget_exhausted: Family<TcpLabels, Counter>,
     /// Tunnels the inbound side refused, by reason (a bounded set).
     inbound_refusals: Family<RefusalLabels, Counter>,
+    end_to_end_proven: Counter,
     /// The outbound side's series by (source, destination): one lookup per
     /// request instead of one per metric, and no label built or cloned.
     outbound_http: Arc<Mutex<HashMap<SpiffeId, HashMap<SpiffeId, HttpSeries>>>>,
@@ -168,6 +169,7 @@ impl ProxyMetrics {
             retries: Family::default(),
             budget_exhausted: Family::default(),
             inbound_refusals: Family::default(),
+            end_to_end_proven: Counter::default(),
             outbound_http: Arc::default(),
         }
     }
@@ -177,6 +179,11 @@ impl ProxyMetrics {
         self.inbound_refusals
             .get_or_create(&RefusalLabels { reason })
             .inc();
+    }
+
+    /// Counts a tunnel whose caller proved its identity end to end.
+    pub fn end_to_end_proven(&self) {
+        self.end_to_end_proven.inc();
     }
 
     /// The HTTP series of `labels` (an inbound tunnel's, resolved once per
@@ -232,6 +239,11 @@ impl ProxyMetrics {
             "inbound_refusals",
             "Tunnels the inbound side refused before any byte reached a pod, by reason",
             self.inbound_refusals.clone(),
+        );
+        registry.register(
+            "inbound_end_to_end_proven",
+            "Tunnels through a gateway whose caller proved its identity end to end (inner mutual TLS)",
+            self.end_to_end_proven.clone(),
         );
         registry.register("tcp_close", "Connections closed", self.tcp_close.clone());
         registry.register(

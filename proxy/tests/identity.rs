@@ -235,17 +235,19 @@ async fn foreign_expired_and_out_of_domain_peers_are_refused_at_every_hop() {
     assert!(!answer.contains("sa/admin"), "{answer}");
     // Both refusals counted by the destination's node proxy (wherever the
     // gateway sent them), and the claimed identity never reached a pod.
-    let mut counted = [0.0, 0.0];
+    let mut counted = [0.0, 0.0, 0.0];
     for node in mesh.topology.nodes() {
         let m = metrics(IpAddr::V4(node.ip())).await;
         counted[0] += metric_sum(&m, "inbound_refusals_total", &["reason=\"no-proof\""]);
         counted[1] += metric_sum(&m, "inbound_refusals_total", &["reason=\"forged-source\""]);
+        counted[2] += metric_sum(&m, "inbound_end_to_end_proven_total", &[]);
     }
     assert_eq!(
-        counted,
+        counted[..2],
         [1.0, 1.0],
         "inbound refusals (no-proof, forged-source)"
     );
+    assert!(counted[2] >= 1.0, "the honest caller's proof was counted");
     for node in mesh.topology.nodes() {
         let m = metrics(IpAddr::V4(node.ip())).await;
         assert_eq!(

@@ -7,7 +7,7 @@
 //! remote when its credentials load) are skipped, not failed twice.
 
 mod links;
-mod local;
+pub(crate) mod local;
 pub mod pure;
 
 use std::path::PathBuf;

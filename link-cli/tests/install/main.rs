@@ -624,3 +624,171 @@ fn install_refuses_a_missing_or_mismatched_identity_saying_what_to_fix() {
         "{out}"
     );
 }
+
+/// `strait identity rotate` against a real API server with the install output
+/// applied: each step of a rotation lands in both ConfigMaps and the issuer
+/// Secret; steps that would break mTLS are refused and write nothing. (The live
+/// effect on running components: `cross_cluster_installed`, and
+/// `proxy/tests/rotation.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_rotate_moves_a_cluster_one_safe_step_at_a_time() {
+    let east = Cluster::start("rotate").await.unwrap();
+    let client = east.client();
+    let kc = east.kubeconfig_path();
+    let dir = tempfile::tempdir().unwrap();
+    let identity = make_identity(dir.path(), "east");
+    let manifests = ok_stdout(
+        strait(&["install", "--identity-dir", identity.to_str().unwrap()]),
+        "strait install",
+    );
+    let applied = kubectl(&kc, &["apply", "-f", "-"], &manifests);
+    assert!(
+        applied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+
+    // A second anchor, and east's issuer re-issued under it.
+    let new_anchor = dir.path().join("new-anchor");
+    ok_stdout(
+        strait(&[
+            "identity",
+            "trust-anchor",
+            "--out-dir",
+            new_anchor.to_str().unwrap(),
+        ]),
+        "new anchor",
+    );
+    let new_issuer = dir.path().join("east-new");
+    let new_bundle = std::fs::read_to_string(new_anchor.join("ca.crt")).unwrap();
+    let old_bundle = std::fs::read_to_string(dir.path().join("anchor/ca.crt")).unwrap();
+    let write_bundle = |name: &str, pems: &[&str]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, pems.concat()).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    ok_stdout(
+        strait(&[
+            "identity",
+            "issuer",
+            "--anchor-cert",
+            new_anchor.join("ca.crt").to_str().unwrap(),
+            "--anchor-key",
+            new_anchor.join("ca.key").to_str().unwrap(),
+            "--cluster",
+            "east",
+            "--out-dir",
+            new_issuer.to_str().unwrap(),
+        ]),
+        "issuer under the new anchor",
+    );
+    let old_new = write_bundle("old-new.pem", &[&old_bundle, &new_bundle]);
+    let new_old = write_bundle("new-old.pem", &[&new_bundle, &old_bundle]);
+    let new_only = write_bundle("new.pem", &[&new_bundle]);
+    let kc_s = kc.to_str().unwrap();
+    let rotate = |bundle: &str, extra: &[&str]| {
+        let mut args = vec![
+            "identity",
+            "rotate",
+            "--kubeconfig",
+            kc_s,
+            "--trust-anchors",
+            bundle,
+        ];
+        args.extend_from_slice(extra);
+        strait(&args)
+    };
+    let refused = |out: Output, what: &str| {
+        assert!(!out.status.success(), "{what}: accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let state = || async {
+        let mut bundles = Vec::new();
+        for ns in ["strait-system", "strait-multicluster"] {
+            let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+                .get("strait-trust-anchors")
+                .await
+                .unwrap();
+            bundles.push(cm.data.unwrap()["ca.crt"].clone());
+        }
+        let secret = Api::<Secret>::namespaced(client.clone(), "strait-system")
+            .get("strait-identity-issuer")
+            .await
+            .unwrap()
+            .data
+            .unwrap();
+        let text = |k: &str| String::from_utf8(secret[k].0.clone()).unwrap();
+        assert_eq!(bundles[0], bundles[1], "both ConfigMaps carry one bundle");
+        assert_eq!(
+            bundles[0],
+            text("ca.crt"),
+            "the issuer's ca.crt is the bundle"
+        );
+        (bundles.remove(0), text("tls.crt"), text("tls.key"))
+    };
+    let issuer_file = |d: &Path, n: &str| std::fs::read_to_string(d.join(n)).unwrap();
+    let installed = state().await;
+    assert_eq!(installed.0, old_bundle);
+
+    // Out of order: refused, and nothing written.
+    let e = refused(rotate(&new_only, &[]), "an issuer outside the bundle");
+    assert!(e.contains("chains to no anchor"), "{e}");
+    let e = refused(
+        rotate(&new_old, &["--issuer-dir", new_issuer.to_str().unwrap()]),
+        "an issuer under an anchor the cluster does not trust yet",
+    );
+    assert!(e.contains("does not trust yet"), "{e}");
+    let e = refused(
+        rotate(&new_old, &[]),
+        "the old issuer under a non-active anchor",
+    );
+    assert!(e.contains("not by the active (first) one"), "{e}");
+    let dry = ok_stdout(rotate(&old_new, &["--dry-run"]), "dry run");
+    assert!(dry.contains("nothing written"), "{dry}");
+    assert_eq!(
+        state().await,
+        installed,
+        "refusals and the dry run wrote nothing"
+    );
+
+    // 1. old+new: the bundle everywhere, the issuer untouched.
+    let out = ok_stdout(rotate(&old_new, &[]), "step 1");
+    assert!(out.contains("next:"), "{out}");
+    let after1 = state().await;
+    assert_eq!(after1.0, std::fs::read_to_string(&old_new).unwrap());
+    assert_eq!((&after1.1, &after1.2), (&installed.1, &installed.2));
+    // 2. new+old with the re-issued issuer.
+    ok_stdout(
+        rotate(&new_old, &["--issuer-dir", new_issuer.to_str().unwrap()]),
+        "step 2",
+    );
+    let after2 = state().await;
+    assert_eq!(after2.0, std::fs::read_to_string(&new_old).unwrap());
+    assert_eq!(after2.1, issuer_file(&new_issuer, "issuer.crt"));
+    assert_eq!(after2.2, issuer_file(&new_issuer, "issuer.key"));
+    // 3. new alone.
+    let out = ok_stdout(rotate(&new_only, &[]), "step 3");
+    assert!(out.contains("finished"), "{out}");
+    assert_eq!(state().await.0, new_bundle);
+    // The issuer in the cluster verifies under what the cluster now trusts.
+    let verify = dir.path().join("verify");
+    std::fs::create_dir_all(&verify).unwrap();
+    let final_state = state().await;
+    std::fs::write(verify.join("issuer.crt"), &final_state.1).unwrap();
+    std::fs::write(verify.join("issuer.key"), &final_state.2).unwrap();
+    std::fs::write(verify.join("ca.crt"), &final_state.0).unwrap();
+    let s = |n: &str| verify.join(n).to_str().unwrap().to_string();
+    ok_stdout(
+        strait(&[
+            "identity",
+            "verify",
+            "--issuer-cert",
+            &s("issuer.crt"),
+            "--issuer-key",
+            &s("issuer.key"),
+            "--trust-anchors",
+            &s("ca.crt"),
+        ]),
+        "the rotated issuer verifies",
+    );
+}

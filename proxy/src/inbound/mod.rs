@@ -167,6 +167,7 @@ impl Inbound {
                     }
                     Err(end_to_end::Failure::Broken(e)) => return Err(e),
                 };
+                self.metrics.end_to_end_proven();
                 self.deliver(inner, upstream, protocol, &proven, &pod, drain)
                     .await
             })
