@@ -1,14 +1,16 @@
 //! `strait export svc/NAME` and `strait unexport svc/NAME`: set or clear the
-//! export label that Links select (`strait.dev/exported=true` by default).
+//! export label that Links select (`strait.dev/exported=true` by default), or
+//! with `--clusterset` create or delete the MCS API's ServiceExport.
 
 use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Patch, PatchParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
-use strait_mesh::names::EXPORT_LABEL;
+use strait_mesh::mcs::{MCS_GROUP, ServiceExport};
+use strait_mesh::names::{CLUSTERSET_DOMAIN, EXPORT_LABEL};
 
 use crate::link::{client_for, load_kubeconfig};
 
@@ -27,8 +29,14 @@ pub struct ExportArgs {
     pub context: Option<String>,
     /// The export label as KEY=VALUE, for a Link with another selector
     /// (e.g. mirror.linkerd.io/exported=true). Unexport needs only the KEY.
-    #[arg(long, default_value_t = format!("{EXPORT_LABEL}=true"))]
+    #[arg(long, default_value_t = format!("{EXPORT_LABEL}=true"), conflicts_with = "clusterset")]
     pub label: String,
+    /// Export to the whole clusterset with the Multi-Cluster Services API: a
+    /// ServiceExport of the same name, from which every linked cluster makes
+    /// one ServiceImport, `<svc>.<ns>.svc.clusterset.local`, served by every
+    /// cluster that exports it (instead of a `<svc>-<cluster>` mirror).
+    #[arg(long)]
+    pub clusterset: bool,
 }
 
 /// `svc/web` → `web`, with an error saying what form is wanted.
@@ -98,6 +106,9 @@ async fn service_api(args: &ExportArgs) -> anyhow::Result<(Api<Service>, String,
 }
 
 pub async fn export(args: ExportArgs) -> anyhow::Result<String> {
+    if args.clusterset {
+        return export_clusterset(&args).await;
+    }
     let (key, value) = parse_label(&args.label, false)?;
     let (api, ns, name) = service_api(&args).await?;
     api.patch(
@@ -114,6 +125,9 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<String> {
 }
 
 pub async fn unexport(args: ExportArgs) -> anyhow::Result<String> {
+    if args.clusterset {
+        return unexport_clusterset(&args).await;
+    }
     let (key, _) = parse_label(&args.label, true)?;
     let (api, ns, name) = service_api(&args).await?;
     let current = api.get_metadata(&name).await?;
@@ -132,6 +146,72 @@ pub async fn unexport(args: ExportArgs) -> anyhow::Result<String> {
     Ok(format!(
         "service {ns}/{name} unexported (label {key} removed): linked clusters remove its mirrors\n"
     ))
+}
+
+/// Fails with what to do when the cluster does not serve ServiceExports.
+async fn ensure_mcs_api(client: &kube::Client) -> anyhow::Result<()> {
+    let served = match client
+        .list_api_group_resources(&format!("{MCS_GROUP}/v1beta1"))
+        .await
+    {
+        Ok(list) => list.resources.iter().any(|r| r.name == "serviceexports"),
+        Err(kube::Error::Api(e)) if e.code == 404 => false,
+        Err(e) => return Err(anyhow::Error::new(e).context("reading the cluster's APIs")),
+    };
+    if !served {
+        bail!(
+            "this cluster does not serve ServiceExports ({MCS_GROUP}/v1beta1): install Strait with `strait install` (or `kubectl apply -f deploy/mcs/crds.yaml`)"
+        );
+    }
+    Ok(())
+}
+
+async fn export_clusterset(args: &ExportArgs) -> anyhow::Result<String> {
+    let (services, ns, name) = service_api(args).await?;
+    let service = services.get(&name).await?;
+    if service.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
+        bail!(
+            "Service {ns}/{name} is of type ExternalName, which the MCS API cannot export (it has no endpoints); export a ClusterIP or headless Service"
+        );
+    }
+    let client = services.into_client();
+    ensure_mcs_api(&client).await?;
+    let exports: Api<ServiceExport> = Api::namespaced(client, &ns);
+    let export = ServiceExport::new(&name, Default::default());
+    match exports.create(&PostParams::default(), &export).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            return Ok(format!(
+                "service {ns}/{name} is already exported to the clusterset (ServiceExport {ns}/{name})\n"
+            ));
+        }
+        Err(e) => {
+            return Err(
+                anyhow::Error::new(e).context(format!("creating ServiceExport {ns}/{name}"))
+            );
+        }
+    }
+    Ok(format!(
+        "service {ns}/{name} exported to the clusterset (ServiceExport {ns}/{name}): every linked cluster serves it as {name}.{ns}.svc.{CLUSTERSET_DOMAIN}; see `kubectl get serviceexport {name} -n {ns} -o yaml` for its conditions\n"
+    ))
+}
+
+async fn unexport_clusterset(args: &ExportArgs) -> anyhow::Result<String> {
+    let name = parse_target(&args.target)?;
+    let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
+    let (client, config) = client_for(&kubeconfig, &args.context).await?;
+    let ns = args.namespace.clone().unwrap_or(config.default_namespace);
+    ensure_mcs_api(&client).await?;
+    let exports: Api<ServiceExport> = Api::namespaced(client, &ns);
+    match exports.delete(&name, &Default::default()).await {
+        Ok(_) => Ok(format!(
+            "service {ns}/{name} no longer exported to the clusterset (ServiceExport deleted): clusters drop this cluster's endpoints from {name}.{ns}.svc.{CLUSTERSET_DOMAIN}\n"
+        )),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(format!(
+            "service {ns}/{name} was not exported to the clusterset (no ServiceExport {ns}/{name})\n"
+        )),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("deleting ServiceExport {ns}/{name}"))),
+    }
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@ use strait_mesh::names::{
 use crate::identity::Format;
 use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};
 
+const MCS_CRDS: &str = "mcs/crds.yaml";
+
 /// Every manifest `install` renders, in deploy/ order. A test checks that
 /// every object under deploy/ (except patches) is among them.
 const MANIFESTS: &[(&str, &str)] = &[
@@ -37,6 +39,9 @@ const MANIFESTS: &[(&str, &str)] = &[
         "mirror/crd.yaml",
         include_str!("../../deploy/mirror/crd.yaml"),
     ),
+    // The Multi-Cluster Services API (generated from strait_mesh::mcs). Kept
+    // by `uninstall`: other MCS implementations and users' exports may use it.
+    (MCS_CRDS, include_str!("../../deploy/mcs/crds.yaml")),
     (
         "identity/rbac.yaml",
         include_str!("../../deploy/identity/rbac.yaml"),
@@ -296,9 +301,15 @@ fn common_name(subject: &str) -> Option<&str> {
 /// All objects of the embedded manifests, each once (the rbac files repeat
 /// their Namespace so a folder can be applied alone), in install order.
 fn manifest_objects() -> anyhow::Result<Vec<Value>> {
+    manifest_objects_of(MANIFESTS.iter())
+}
+
+fn manifest_objects_of<'a>(
+    manifests: impl Iterator<Item = &'a (&'a str, &'a str)>,
+) -> anyhow::Result<Vec<Value>> {
     use serde::Deserialize as _;
     let mut objects: Vec<Value> = Vec::new();
-    for (path, text) in MANIFESTS {
+    for (path, text) in manifests {
         for doc in serde_yaml::Deserializer::from_str(text) {
             let value = Value::deserialize(doc)
                 .with_context(|| format!("deploy/{path} is not valid YAML"))?;
@@ -529,8 +540,12 @@ pub async fn uninstall(args: UninstallArgs) -> anyhow::Result<String> {
         );
     }
     // Everything install makes, by reference only (no secrets in this output),
-    // in reverse order: workloads first, the CRD and namespaces last.
-    let mut objects = manifest_objects()?;
+    // in reverse order: workloads first, the CRD and namespaces last. The MCS
+    // API stays: it is shared, and deleting it would delete every ServiceExport.
+    let mut objects = manifest_objects_of(MANIFESTS.iter().filter(|(path, _)| *path != MCS_CRDS))?;
+    eprintln!(
+        "note: the Multi-Cluster Services CRDs (ServiceExport, ServiceImport, ClusterProperty) are kept; remove them with `kubectl delete -f deploy/mcs/crds.yaml` once nothing uses them"
+    );
     for ns in [SYSTEM_NAMESPACE, LINK_NAMESPACE] {
         objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": TRUST_ANCHORS_CONFIGMAP, "namespace": ns}}));
     }

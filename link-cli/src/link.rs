@@ -19,6 +19,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::{Link, LinkSpec, TRUST_ANCHORS_CONFIGMAP};
+use strait_mesh::mcs::{CLUSTER_ID_PROPERTY, ClusterProperty, MCS_GROUP};
 use strait_mesh::names::{
     CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, GATEWAY_SERVICE, LINK_SERVICE_ACCOUNT_PREFIX,
     MIRRORED_LABEL, PROBE_ANNOTATIONS, SYSTEM_NAMESPACE,
@@ -40,9 +41,11 @@ pub struct LinkArgs {
     /// Context of the TARGET cluster (whose services will be mirrored).
     #[arg(long)]
     pub context: Option<String>,
-    /// Name the source cluster will know the target by; mirrors are `<svc>-<name>`.
+    /// The target cluster's name; mirrors are `<svc>-<name>`. Default: the
+    /// target's ClusterProperty `cluster.clusterset.k8s.io` (which `strait
+    /// install` sets); a name that disagrees with it is refused.
     #[arg(long)]
-    pub cluster_name: String,
+    pub cluster_name: Option<String>,
     /// DNS domain of the target cluster.
     #[arg(long, default_value = "cluster.local")]
     pub cluster_domain: String,
@@ -147,6 +150,9 @@ pub async fn ensure_remote_access(target: &Client, cluster_name: &str) -> anyhow
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
             // The trust anchors only (public certificates), so `strait check` can compare them.
             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [TRUST_ANCHORS_CONFIGMAP], "verbs": ["get"]},
+            // The clusterset's exports, and the cluster's name (KEP-2149) to check the Link by.
+            {"apiGroups": [MCS_GROUP], "resources": ["serviceexports"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["about.k8s.io"], "resources": ["clusterproperties"], "resourceNames": [CLUSTER_ID_PROPERTY], "verbs": ["get"]},
         ],
     }))
     .await?;
@@ -293,10 +299,40 @@ async fn gateway_defaults(target: &Client) -> anyhow::Result<GatewayDefaults> {
     })
 }
 
+/// The name the target cluster goes by: its ClusterProperty
+/// `cluster.clusterset.k8s.io`, which `--cluster-name` may repeat but not
+/// contradict (two names for one cluster would split its services in two).
+pub async fn target_cluster_name(target: &Client, given: Option<&str>) -> anyhow::Result<String> {
+    let property = match Api::<ClusterProperty>::all(target.clone())
+        .get_opt(CLUSTER_ID_PROPERTY)
+        .await
+    {
+        Ok(p) => p.map(|p| p.spec.value),
+        // No ClusterProperty API: installed before Strait set it.
+        Err(kube::Error::Api(e)) if e.code == 404 => None,
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "reading the target's ClusterProperty {CLUSTER_ID_PROPERTY} (its cluster name)"
+            )));
+        }
+    };
+    match (property, given) {
+        (Some(name), Some(given)) if name != given => bail!(
+            "the target cluster calls itself {name:?} (ClusterProperty {CLUSTER_ID_PROPERTY}), not {given:?}: drop --cluster-name, or pass --cluster-name {name}"
+        ),
+        (Some(name), _) => Ok(name),
+        (None, Some(given)) => Ok(given.to_string()),
+        (None, None) => bail!(
+            "the target cluster has no ClusterProperty {CLUSTER_ID_PROPERTY} (its name; `strait install` sets it through the mirror controller): pass --cluster-name"
+        ),
+    }
+}
+
 pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
     let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
     let (target, config) = client_for(&kubeconfig, &args.context).await?;
-    let sa = ensure_remote_access(&target, &args.cluster_name).await?;
+    let cluster_name = target_cluster_name(&target, args.cluster_name.as_deref()).await?;
+    let sa = ensure_remote_access(&target, &cluster_name).await?;
     let token = request_token(&target, &sa, args.token_ttl).await?;
 
     let server = args.api_server_address.clone().unwrap_or_else(|| {
@@ -324,7 +360,7 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
             .collect();
         base64::engine::general_purpose::STANDARD.encode(pem)
     });
-    let remote_kubeconfig = token_kubeconfig(&args.cluster_name, &server, ca.as_deref(), &token);
+    let remote_kubeconfig = token_kubeconfig(&cluster_name, &server, ca.as_deref(), &token);
 
     let defaults = gateway_defaults(&target).await?;
     let gateway_addresses = if args.gateway_addresses.is_empty() {
@@ -342,9 +378,9 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
         .clone()
         .or(defaults.identity)
         .unwrap_or_else(|| "spiffe://cluster.local/ns/strait-system/sa/strait-gateway".to_string());
-    let secret_name = format!("cluster-credentials-{}", args.cluster_name);
+    let secret_name = format!("cluster-credentials-{}", cluster_name);
     let spec: LinkSpec = serde_json::from_value(json!({
-        "targetClusterName": args.cluster_name,
+        "targetClusterName": cluster_name,
         "targetClusterDomain": args.cluster_domain,
         "clusterCredentialsSecret": secret_name,
         "gatewayAddresses": gateway_addresses,
@@ -357,12 +393,12 @@ pub async fn link(args: LinkArgs) -> anyhow::Result<String> {
         json!({
             "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": secret_name, "namespace": LINK_NAMESPACE,
-                         "labels": {CLUSTER_NAME_LABEL: args.cluster_name, "app.kubernetes.io/part-of": "strait"}},
+                         "labels": {CLUSTER_NAME_LABEL: cluster_name, "app.kubernetes.io/part-of": "strait"}},
             "stringData": {"kubeconfig": serde_yaml::to_string(&remote_kubeconfig)?},
         }),
         json!({
             "apiVersion": "multicluster.strait.dev/v1alpha1", "kind": "Link",
-            "metadata": {"name": args.cluster_name, "namespace": LINK_NAMESPACE},
+            "metadata": {"name": cluster_name, "namespace": LINK_NAMESPACE},
             "spec": spec,
         }),
     ];

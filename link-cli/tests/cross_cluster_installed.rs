@@ -328,19 +328,19 @@ async fn east_calls_west_through_installed_strait() {
     rotate_under_traffic(&mesh, &east, &west).await;
 }
 
-/// The Strait pods' metrics (admin port 4191) in `strait-system`, by pod.
+/// The Strait pods' metrics (admin port 4191) in `strait-system` and
+/// `strait-multicluster`, by `namespace/pod`.
 async fn strait_pods_metrics(kubeconfig: &Path) -> Vec<(String, String)> {
     let listed = kubectl(
         kubeconfig,
         &[
             "get",
             "pods",
-            "-n",
-            "strait-system",
+            "-A",
             "--field-selector",
             "status.phase=Running",
             "-o",
-            "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}{\"\\n\"}{end}",
+            "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.podIP}{\"\\n\"}{end}",
         ],
         None,
     );
@@ -349,6 +349,9 @@ async fn strait_pods_metrics(kubeconfig: &Path) -> Vec<(String, String)> {
         let Some((name, ip)) = line.split_once(' ') else {
             continue;
         };
+        if !(name.starts_with("strait-system/") || name.starts_with("strait-multicluster/")) {
+            continue;
+        }
         let Ok(ip) = ip.trim().parse::<IpAddr>() else {
             continue;
         };
@@ -401,8 +404,8 @@ async fn settled(kubeconfig: &Path, anchors: &[String], nodes: usize) -> Result<
             ));
         }
     }
-    // Every node proxy and the gateway, at least.
-    if holders < nodes + 1 {
+    // Every node proxy, the gateway and the mirror controller, at least.
+    if holders < nodes + 2 {
         return Err(format!(
             "only {holders} Strait pods answered with identity metrics"
         ));
@@ -436,11 +439,9 @@ fn rotation_diagnostics(kubeconfig: &Path, problem: &str) -> String {
             })
             .unwrap_or_else(|e| vec![e.to_string()]);
     let pod = problem.split_whitespace().next().unwrap_or_default();
-    let log = strait_testenv::kubectl_output(
-        kubeconfig,
-        &["logs", "-n", "strait-system", pod, "--tail", "30"],
-        None,
-    );
+    let (ns, name) = pod.split_once('/').unwrap_or(("strait-system", pod));
+    let log =
+        strait_testenv::kubectl_output(kubeconfig, &["logs", "-n", ns, name, "--tail", "30"], None);
     format!(
         "ConfigMap strait-system/strait-trust-anchors holds {stored:?}\nlog of {pod}:\n{}{}",
         String::from_utf8_lossy(&log.stdout),

@@ -12,6 +12,7 @@ pub mod identity;
 pub mod io;
 pub mod kubeconfig;
 pub mod link;
+pub mod mcs;
 pub mod names;
 pub mod policy;
 pub mod telemetry;

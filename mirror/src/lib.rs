@@ -6,6 +6,7 @@
 //! worker ([`worker`]) watches its remote cluster and writes mirrors here.
 #![forbid(unsafe_code)]
 
+pub mod clusterset;
 pub mod config;
 pub mod controller;
 pub mod heartbeat;

@@ -34,6 +34,11 @@ struct Args {
     /// Resolve gateway hostnames with these DNS servers (`ip:port`) instead of the system's.
     #[arg(long, value_delimiter = ',')]
     dns_server: Vec<std::net::SocketAddr>,
+    /// This cluster's name in the clusterset, published as the ClusterProperty
+    /// `cluster.clusterset.k8s.io` (created if missing; a different existing
+    /// name stops the controller). `strait install` sets it.
+    #[arg(long, env = "STRAIT_CLUSTER_NAME")]
+    cluster_name: Option<String>,
     #[command(flatten)]
     identity: IdentityArgs,
     /// Log format: plain or json.
@@ -46,14 +51,31 @@ struct Args {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Print the Link CustomResourceDefinition (YAML) and exit: `strait-mirror crd | kubectl apply -f -`.
-    Crd,
+    Crd {
+        /// Print the Multi-Cluster Services CRDs instead: ServiceExport and
+        /// ServiceImport (`multicluster.x-k8s.io/v1beta1`) and ClusterProperty
+        /// (`about.k8s.io/v1alpha1`).
+        #[arg(long)]
+        mcs: bool,
+    },
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if let Some(Command::Crd) = args.command {
-        print!("{}", serde_yaml::to_string(&Link::crd())?);
+    if let Some(Command::Crd { mcs }) = args.command {
+        if mcs {
+            use strait_mesh::mcs::{ClusterProperty, ServiceExport, ServiceImport};
+            for crd in [
+                ServiceExport::crd(),
+                ServiceImport::crd(),
+                ClusterProperty::crd(),
+            ] {
+                print!("---\n{}", serde_yaml::to_string(&crd)?);
+            }
+        } else {
+            print!("{}", serde_yaml::to_string(&Link::crd())?);
+        }
         return Ok(());
     }
     init_tracing(args.log_format, "info");
@@ -78,6 +100,9 @@ async fn main() -> anyhow::Result<()> {
         Some(w)
     };
     let client = kube::Client::try_default().await?;
+    if let Some(name) = &args.cluster_name {
+        strait_mirror::clusterset::ensure_cluster_name(&client, name).await?;
+    }
     let identity = workload
         .as_ref()
         .map(|w| strait_mirror::probe::ProbeIdentity {

@@ -55,19 +55,26 @@ fn without_an_identity_it_refuses_to_start_and_says_what_to_do() {
 /// server prune fields the controller reads (it once spelled `stalenessTtl`
 /// while the code reads `stalenessTTL`).
 #[test]
-fn the_shipped_crd_is_the_generated_one() {
-    let out = Command::new(env!("CARGO_BIN_EXE_strait-mirror"))
-        .arg("crd")
-        .output()
-        .expect("run strait-mirror crd");
-    assert!(out.status.success(), "{out:?}");
-    let shipped = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../deploy/mirror/crd.yaml"
-    ))
-    .unwrap();
-    assert!(
-        String::from_utf8_lossy(&out.stdout) == shipped,
-        "deploy/mirror/crd.yaml is stale: regenerate it with `cargo run -p strait-mirror -- crd > deploy/mirror/crd.yaml`"
-    );
+fn the_shipped_crds_are_the_generated_ones() {
+    for (args, file) in [
+        (&["crd"][..], "mirror/crd.yaml"),
+        (&["crd", "--mcs"][..], "mcs/crds.yaml"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strait-mirror"))
+            .args(args)
+            .output()
+            .expect("run strait-mirror crd");
+        assert!(out.status.success(), "{out:?}");
+        let shipped = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../deploy")
+                .join(file),
+        )
+        .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stdout) == shipped,
+            "deploy/{file} is stale: regenerate it with `cargo run -p strait-mirror -- {} > deploy/{file}`",
+            args.join(" ")
+        );
+    }
 }

@@ -449,13 +449,23 @@ async fn install_applied_with_kubectl_then_link_reads_the_gateway_and_uninstall_
     );
     let listed = docs(&listing, "uninstall output");
     let rendered = docs(&manifests, "install output");
+    // The MCS API is shared with users' exports and other implementations: kept.
+    let is_mcs_crd = |o: &Value| {
+        o["kind"] == "CustomResourceDefinition"
+            && o["metadata"]["name"].as_str().is_some_and(|n| {
+                n.ends_with(".multicluster.x-k8s.io") || n.ends_with(".about.k8s.io")
+            })
+    };
+    assert_eq!(rendered.iter().filter(|o| is_mcs_crd(o)).count(), 3);
     for o in &rendered {
-        assert!(
+        assert_eq!(
             listed.iter().any(|l| key(l) == key(o)),
-            "uninstall does not list {}",
+            !is_mcs_crd(o),
+            "uninstall must list {} unless it is an MCS CRD",
             describe(o)
         );
     }
+    assert!(stderr.contains("Multi-Cluster Services CRDs"), "{stderr}");
     for extra in [
         "ClusterRole//strait-link-reader",
         "ClusterRoleBinding//strait-link-east",
@@ -790,5 +800,169 @@ async fn identity_rotate_moves_a_cluster_one_safe_step_at_a_time() {
             &s("ca.crt"),
         ]),
         "the rotated issuer verifies",
+    );
+}
+
+fn err_of(out: Output) -> String {
+    assert!(!out.status.success(), "expected a refusal: {out:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The MCS API comes with `strait install`: `strait export --clusterset`
+/// makes the ServiceExport (refusing what the API cannot export), an export
+/// without spec (as upstream writes them) is accepted, and `strait link` takes
+/// the target's name from its ClusterProperty and refuses a contradicting one.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcs_api_comes_with_install_and_strait_export_clusterset_writes_service_exports() {
+    let cluster = Cluster::start("mcs").await.unwrap();
+    let client = cluster.client();
+    let kc = cluster.kubeconfig_path();
+    let kc_s = kc.to_str().unwrap();
+    let export = |verb: &str, svc: &str| {
+        strait(&[
+            verb,
+            "--clusterset",
+            svc,
+            "-n",
+            "shop",
+            "--kubeconfig",
+            kc_s,
+        ])
+    };
+    assert!(
+        kubectl(&kc, &["create", "namespace", "shop"], "")
+            .status
+            .success()
+    );
+    let services = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec: {ports: [{name: http, port: 80}], selector: {app: web}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: ext, namespace: shop}
+spec: {type: ExternalName, externalName: example.com}
+"#;
+    assert!(
+        kubectl(&kc, &["apply", "-f", "-"], services)
+            .status
+            .success()
+    );
+
+    // Before the CRDs: the error says how to get them.
+    let e = err_of(export("export", "svc/web"));
+    assert!(
+        e.contains("does not serve ServiceExports") && e.contains("strait install"),
+        "{e}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let identity = make_identity(dir.path(), "east");
+    let manifests = ok_stdout(
+        strait(&["install", "--identity-dir", identity.to_str().unwrap()]),
+        "strait install",
+    );
+    let applied = kubectl(&kc, &["apply", "-f", "-"], &manifests);
+    assert!(
+        applied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in [
+        "serviceexports.multicluster.x-k8s.io",
+        "serviceimports.multicluster.x-k8s.io",
+        "clusterproperties.about.k8s.io",
+    ] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let crd = crds.get(name).await.unwrap();
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            if established {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{name} not established");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    let out = ok_stdout(export("export", "svc/web"), "strait export --clusterset");
+    assert!(out.contains("web.shop.svc.clusterset.local"), "{out}");
+    let got = kubectl(
+        &kc,
+        &["get", "svcex", "web", "-n", "shop", "-o", "json"],
+        "",
+    );
+    let got: Value = serde_json::from_slice(&got.stdout).unwrap();
+    assert_eq!(got["apiVersion"], "multicluster.x-k8s.io/v1beta1");
+    let again = ok_stdout(export("export", "svc/web"), "export again");
+    assert!(again.contains("already exported"), "{again}");
+    let e = err_of(export("export", "svc/ext"));
+    assert!(e.contains("ExternalName"), "{e}");
+    let e = err_of(export("export", "svc/nope"));
+    assert!(e.contains("no Service shop/nope"), "{e}");
+
+    // Upstream's exports have no spec; labels and annotations to export are optional.
+    let bare = "apiVersion: multicluster.x-k8s.io/v1beta1\nkind: ServiceExport\nmetadata: {name: bare, namespace: shop}\n";
+    let applied = kubectl(&kc, &["apply", "-f", "-"], bare);
+    assert!(
+        applied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+    let exports: Api<strait_mesh::mcs::ServiceExport> = Api::namespaced(client.clone(), "shop");
+    assert_eq!(
+        exports.get("bare").await.unwrap().spec.spec,
+        Default::default()
+    );
+
+    let out = ok_stdout(
+        export("unexport", "svc/web"),
+        "strait unexport --clusterset",
+    );
+    assert!(out.contains("no longer exported"), "{out}");
+    assert!(exports.get_opt("web").await.unwrap().is_none());
+    let out = ok_stdout(export("unexport", "svc/web"), "unexport again");
+    assert!(out.contains("was not exported"), "{out}");
+
+    // `strait link` reads the target's name (what the mirror controller publishes).
+    strait_testenv::workloads::create_node(&client, "node-1", "10.9.0.8".parse().unwrap())
+        .await
+        .unwrap();
+    let property = "apiVersion: about.k8s.io/v1alpha1\nkind: ClusterProperty\nmetadata: {name: cluster.clusterset.k8s.io}\nspec: {value: east}\n";
+    assert!(
+        kubectl(&kc, &["apply", "-f", "-"], property)
+            .status
+            .success()
+    );
+    let linked = ok_stdout(
+        strait(&["link", "--kubeconfig", kc_s, "-o", "json"]),
+        "strait link without --cluster-name",
+    );
+    let list: Value = serde_json::from_str(&linked).unwrap();
+    let link = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == "Link")
+        .unwrap();
+    assert_eq!(link["spec"]["targetClusterName"], "east");
+    let e = err_of(strait(&[
+        "link",
+        "--kubeconfig",
+        kc_s,
+        "--cluster-name",
+        "west",
+    ]));
+    assert!(
+        e.contains("calls itself \"east\"") && e.contains("--cluster-name east"),
+        "{e}"
     );
 }
