@@ -21,6 +21,9 @@ pub struct MirrorConfig {
     pub identity: Option<probe::ProbeIdentity>,
     /// Where gateway hostnames are resolved.
     pub dns: resolve::DnsConfig,
+    /// This cluster's name and the feed of linked clusters' ServiceExports, when
+    /// the Multi-Cluster Services controller runs (`--cluster-name`).
+    pub clusterset: Option<(String, crate::mcs::ClustersetFeed)>,
 }
 
 impl Default for MirrorConfig {
@@ -31,6 +34,7 @@ impl Default for MirrorConfig {
             metrics: Default::default(),
             identity: None,
             dns: Default::default(),
+            clusterset: None,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod controller;
 pub mod heartbeat;
 pub mod latency;
+pub mod mcs;
 pub mod metrics;
 pub mod mirror;
 pub mod probe;

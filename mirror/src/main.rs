@@ -115,6 +115,16 @@ async fn main() -> anyhow::Result<()> {
         strait_mirror::resolve::DnsConfig::Servers(args.dns_server)
     };
     readiness.set_ready(true);
+    let clusterset = args
+        .cluster_name
+        .map(|name| (name, strait_mirror::mcs::ClustersetFeed::default()));
+    if let Some((name, feed)) = &clusterset {
+        tokio::spawn(strait_mirror::mcs::run(
+            client.clone(),
+            name.clone(),
+            feed.clone(),
+        ));
+    }
     strait_mirror::run(
         client,
         strait_mirror::MirrorConfig {
@@ -123,6 +133,7 @@ async fn main() -> anyhow::Result<()> {
             metrics,
             identity,
             dns,
+            clusterset,
         },
     )
     .await;

@@ -80,6 +80,24 @@ impl LinkHealth {
             message: message.into(),
         }
     }
+    pub fn clusterset_member() -> Self {
+        Self {
+            condition: "ClustersetMember",
+            status: "True",
+            reason: "Joined".into(),
+            message:
+                "the linked cluster's ServiceExports are part of this cluster's ServiceImports"
+                    .into(),
+        }
+    }
+    pub fn clusterset_refused(reason: &str, message: &str) -> Self {
+        Self {
+            condition: "ClustersetMember",
+            status: "False",
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
     fn ok(&self) -> bool {
         self.status == "True"
     }

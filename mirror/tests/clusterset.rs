@@ -6,14 +6,342 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Patch, PatchParams};
-use kube::{Api, CustomResourceExt};
-use strait_mesh::mcs::{CLUSTER_ID_PROPERTY, ClusterProperty};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+use strait_mesh::link::Link;
+use strait_mesh::mcs::{
+    CLUSTER_ID_PROPERTY, ClusterProperty, ServiceExport, ServiceImport, ServiceImportType,
+};
+use strait_mirror::mcs::{ClustersetFeed, derived_name};
 use strait_testenv::Cluster;
 use strait_testenv::wait::eventually;
+use strait_testenv::workloads::ensure_namespace;
 
-use common::{WAIT, install_crd};
+use common::{WAIT, admin_kubeconfig, condition, from_json, install_crd, link, link_with};
+
+/// The MCS CRDs, as `strait install` applies them.
+async fn install_mcs_crds(client: &Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in [
+        ServiceExport::crd(),
+        ServiceImport::crd(),
+        ClusterProperty::crd(),
+    ] {
+        let name = crd.metadata.name.clone().unwrap();
+        crds.patch(
+            &name,
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(crd),
+        )
+        .await
+        .unwrap();
+        eventually("the MCS CRDs to be established", WAIT, || async {
+            let crd = crds.get(&name).await.map_err(|e| e.to_string())?;
+            let ok = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            ok.then_some(()).ok_or("not established".to_string())
+        })
+        .await;
+    }
+}
+
+/// One cluster's controllers (mirror + MCS), in-process, for cluster `name`.
+fn start_controllers(client: &Client, name: &str) -> Vec<tokio::task::JoinHandle<()>> {
+    let feed = ClustersetFeed::default();
+    let config = strait_mirror::MirrorConfig {
+        clusterset: Some((name.to_string(), feed.clone())),
+        ..Default::default()
+    };
+    vec![
+        tokio::spawn(strait_mirror::mcs::run(client.clone(), name.into(), feed)),
+        tokio::spawn(strait_mirror::run(client.clone(), config)),
+    ]
+}
+
+async fn create_service(client: &Client, ns: &str, spec: serde_json::Value) {
+    Api::<Service>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &from_json(spec))
+        .await
+        .unwrap();
+}
+
+async fn export(client: &Client, ns: &str, name: &str) {
+    Api::<ServiceExport>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &ServiceExport::new(name, Default::default()),
+        )
+        .await
+        .unwrap();
+}
+
+/// Polls `probe` until it returns `Ok` (at most [`WAIT`]), panicking with `what`
+/// and its last answer.
+async fn until<T, F: std::future::Future<Output = Result<T, String>>>(
+    what: &str,
+    mut probe: impl FnMut() -> F,
+) -> T {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match probe().await {
+            Ok(t) => return t,
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                panic!("timed out waiting for {what}: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// The export's condition `type_` as (reason, message), once its status is `status`.
+async fn export_condition(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    type_: &str,
+    status: &str,
+) -> (String, String) {
+    let api: Api<ServiceExport> = Api::namespaced(client.clone(), ns);
+    until(&format!("{ns}/{name} {type_}={status}"), || async {
+        let e = api.get(name).await.map_err(|e| e.to_string())?;
+        let c = e
+            .status
+            .unwrap_or_default()
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == type_)
+            .ok_or("no such condition yet")?;
+        if c.status != status {
+            return Err(format!("{c:?}"));
+        }
+        Ok((c.reason, c.message))
+    })
+    .await
+}
+
+async fn import_where(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    check: impl Fn(&ServiceImport) -> bool,
+) -> ServiceImport {
+    let api: Api<ServiceImport> = Api::namespaced(client.clone(), ns);
+    until(what, || async {
+        let i = api.get(name).await.map_err(|e| e.to_string())?;
+        if !check(&i) {
+            return Err(format!("{:?} {:?}", i.spec.spec, i.status));
+        }
+        Ok(i)
+    })
+    .await
+}
+
+fn port_numbers(i: &ServiceImport) -> Vec<(String, i32)> {
+    i.spec
+        .spec
+        .ports
+        .iter()
+        .map(|p| (p.name.clone(), p.port))
+        .collect()
+}
+
+fn clusters(i: &ServiceImport) -> Vec<String> {
+    i.status
+        .as_ref()
+        .map(|s| s.clusters.iter().map(|c| c.cluster.clone()).collect())
+        .unwrap_or_default()
+}
+
+/// Two clusters linked both ways, each running its controllers: an export in
+/// either becomes a ServiceImport in both (ClusterSetIP from a derived
+/// Service, the clusters that back it in its status), conflicting exports are
+/// flagged on both with the oldest winning, invalid exports say why, a
+/// ServiceImport Strait did not write is left alone, a second Link to the same
+/// cluster name is refused, and unexporting removes the imports everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
+    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = (east.unwrap(), west.unwrap());
+    let (ec, wc) = (east.client(), west.client());
+    for c in [&ec, &wc] {
+        install_crd(c).await;
+        install_mcs_crds(c).await;
+        ensure_namespace(c, "shop").await.unwrap();
+    }
+    let mut tasks = start_controllers(&ec, "east");
+    tasks.extend(start_controllers(&wc, "west"));
+    link(&ec, "west", Some(&admin_kubeconfig(&west))).await;
+    link(&wc, "east", Some(&admin_kubeconfig(&east))).await;
+
+    // 1. West exports web: both clusters import it.
+    let web = |port: i32| {
+        json!({"metadata": {"name": "web"},
+               "spec": {"selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                        "ports": [{"name": "http", "port": port, "targetPort": 8080}]}})
+    };
+    create_service(&wc, "shop", web(80)).await;
+    export(&wc, "shop", "web").await;
+    let (reason, _) = export_condition(&wc, "shop", "web", "Valid", "True").await;
+    assert_eq!(reason, "Valid");
+    for (client, cluster) in [(&wc, "west"), (&ec, "east")] {
+        let i = import_where(
+            client,
+            "shop",
+            "web",
+            &format!("web imported in {cluster}"),
+            |i| !i.spec.spec.ips.is_empty() && clusters(i) == ["west"],
+        )
+        .await;
+        assert_eq!(i.spec.spec.type_, ServiceImportType::ClusterSetIP);
+        assert_eq!(port_numbers(&i), [("http".to_string(), 80)]);
+        assert_eq!(i.spec.spec.ports[0].protocol.as_deref(), Some("TCP"));
+        assert_eq!(i.spec.spec.session_affinity.as_deref(), Some("ClientIP"));
+        assert_eq!(i.spec.spec.ips.len(), i.spec.spec.ip_families.len());
+        // The ClusterSetIP is the derived Service's, owned by the import.
+        let derived = Api::<Service>::namespaced(client.clone(), "shop")
+            .get(&derived_name("shop", "web"))
+            .await
+            .unwrap();
+        assert_eq!(
+            derived.spec.clone().unwrap().cluster_ips.unwrap(),
+            i.spec.spec.ips,
+            "{cluster}"
+        );
+        assert_eq!(derived.owner_references()[0].uid, i.uid().unwrap());
+    }
+    let (reason, _) = export_condition(&wc, "shop", "web", "Ready", "True").await;
+    assert_eq!(reason, "Ready");
+    let (reason, _) = export_condition(&wc, "shop", "web", "Conflict", "False").await;
+    assert_eq!(reason, "NoConflicts");
+
+    // 2. East exports web on another port, later: both exports conflict, the oldest (west) wins.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    create_service(&ec, "shop", web(81)).await;
+    export(&ec, "shop", "web").await;
+    for client in [&ec, &wc] {
+        let (reason, message) = export_condition(client, "shop", "web", "Conflict", "True").await;
+        assert_eq!(reason, "PortConflict", "{message}");
+        assert!(message.contains("oldest"), "{message}");
+    }
+    for client in [&ec, &wc] {
+        let i = import_where(client, "shop", "web", "both clusters back web", |i| {
+            clusters(i) == ["east", "west"]
+        })
+        .await;
+        assert_eq!(
+            port_numbers(&i),
+            [("http".to_string(), 80)],
+            "west's definition"
+        );
+    }
+
+    // 3. Exports that cannot be: no Service, an ExternalName Service.
+    export(&ec, "shop", "ghost").await;
+    let (reason, message) = export_condition(&ec, "shop", "ghost", "Valid", "False").await;
+    assert_eq!(reason, "NoService");
+    assert!(message.contains("shop/ghost"), "{message}");
+    create_service(&ec, "shop", json!({"metadata": {"name": "ext"}, "spec": {"type": "ExternalName", "externalName": "example.com"}})).await;
+    export(&ec, "shop", "ext").await;
+    let (reason, _) = export_condition(&ec, "shop", "ext", "Valid", "False").await;
+    assert_eq!(reason, "InvalidServiceType");
+    let imports: Api<ServiceImport> = Api::namespaced(ec.clone(), "shop");
+    let west_imports: Api<ServiceImport> = Api::namespaced(wc.clone(), "shop");
+    for name in ["ghost", "ext"] {
+        assert!(imports.get_opt(name).await.unwrap().is_none(), "{name}");
+        assert!(
+            west_imports.get_opt(name).await.unwrap().is_none(),
+            "{name}"
+        );
+    }
+
+    // 4. A ServiceImport someone else wrote in east is left alone.
+    let foreign = json!({"apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+        "metadata": {"name": "db"}, "spec": {"type": "Headless", "ports": [{"port": 5432, "protocol": "TCP"}]}});
+    imports
+        .create(&PostParams::default(), &from_json(foreign))
+        .await
+        .unwrap();
+    create_service(
+        &wc,
+        "shop",
+        json!({"metadata": {"name": "db"}, "spec": {"ports": [{"port": 6000}]}}),
+    )
+    .await;
+    export(&wc, "shop", "db").await;
+    import_where(&wc, "shop", "db", "db imported in west", |i| {
+        !i.spec.spec.ips.is_empty()
+    })
+    .await;
+    // East has seen west's export by now: its own web import backs both clusters,
+    // and a pass over db has run; wait one more periodic pass.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let db = imports.get("db").await.unwrap();
+    assert_eq!(db.spec.spec.type_, ServiceImportType::Headless, "untouched");
+    assert_eq!(port_numbers(&db), [(String::new(), 5432)], "untouched");
+    assert!(db.labels().get("app.kubernetes.io/managed-by").is_none());
+
+    // 5. A second Link to a cluster named west is refused with a condition.
+    link_with(
+        &ec,
+        "west-again",
+        Some(&admin_kubeconfig(&west)),
+        json!({"targetClusterName": "west"}),
+    )
+    .await;
+    let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
+    eventually("the duplicate Link to be refused", WAIT, || async {
+        match condition(&links, "west-again", "ClustersetMember").await {
+            Some((status, message))
+                if status == "False"
+                    && message.contains("already links a cluster named \"west\"") =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(
+        condition(&links, "west", "ClustersetMember")
+            .await
+            .map(|c| c.0)
+            .as_deref(),
+        Some("True")
+    );
+
+    // 6. Unexported everywhere: the imports and their derived Services go.
+    for client in [&ec, &wc] {
+        Api::<ServiceExport>::namespaced(client.clone(), "shop")
+            .delete("web", &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    for (client, cluster) in [(&ec, "east"), (&wc, "west")] {
+        let api: Api<ServiceImport> = Api::namespaced(client.clone(), "shop");
+        eventually(
+            &format!("web's import gone from {cluster}"),
+            WAIT,
+            || async {
+                match api.get_opt("web").await {
+                    Ok(None) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+    }
+    for t in tasks {
+        t.abort();
+    }
+}
 
 fn mirror(kubeconfig: &str, cluster_name: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_strait-mirror"));

@@ -93,6 +93,33 @@ async fn mirror_link(
         }
     };
     status.set_health(LinkHealth::credentials_ok()).await;
+    // The remote's ServiceExports, for the clusterset (held while mirroring).
+    let _clusterset = match &config.clusterset {
+        Some((local_name, feed)) => {
+            let (exports, task) =
+                crate::mcs::watch_remote_exports(&remote, feed, &spec.target_cluster_name);
+            let key = format!(
+                "{}/{}",
+                link.namespace().unwrap_or_default(),
+                link.name_any()
+            );
+            match feed.join(Some(local_name), &spec.target_cluster_name, &key, exports) {
+                Ok(member) => {
+                    status.set_health(LinkHealth::clusterset_member()).await;
+                    Some((member, AbortOnDrop(task)))
+                }
+                Err(e) => {
+                    task.abort();
+                    tracing::warn!(link = %key, "{e}");
+                    status
+                        .set_health(LinkHealth::clusterset_refused(e.reason(), &e.to_string()))
+                        .await;
+                    None
+                }
+            }
+        }
+        None => None,
+    };
     let mut renewer = JoinSet::new();
     renewer.spawn(crate::token::keep_fresh(
         here.client.clone(),
@@ -191,6 +218,15 @@ async fn mirror_link(
                 pass(&mut applied, &gateways, Pass::stale(staleness.is_stale())).await;
             }
         }
+    }
+}
+
+/// Aborts a task when dropped (a worker's remote watches end with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

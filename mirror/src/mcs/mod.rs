@@ -1,0 +1,735 @@
+//! The Multi-Cluster Services controller (KEP-1645), pull model: every cluster
+//! derives its own ServiceImports from the exports it can see, and writes only
+//! to itself.
+//!
+//! - Local ServiceExports are validated against their Service ([`resolve::validate`]);
+//!   a valid one is published on the export itself (annotation
+//!   [`resolve::EXPORTED_SERVICE_ANNOTATION`]: type, ports, affinity, policies) so
+//!   linked clusters need to watch only ServiceExports.
+//! - Each Link's worker watches its remote's ServiceExports and joins the
+//!   [`ClustersetFeed`] under the remote's cluster name (a second Link to the
+//!   same name, or one named like this cluster, is refused).
+//! - A sync pass resolves every exported service from all of them
+//!   ([`resolve::resolve`]: oldest export wins, conflicts named) and writes the
+//!   ServiceImport (server-side apply, field manager `strait-mirror`, label
+//!   `app.kubernetes.io/managed-by=strait-mirror`; one without the label is
+//!   never touched), its status (`clusters`), for ClusterSetIP a derived Service
+//!   owned by the import whose cluster IPs become the import's `ips`, and the
+//!   local exports' conditions `Valid`, `Ready`, `Conflict`.
+//! - Imports are deleted only when every linked cluster's exports are listed
+//!   (an unreachable remote keeps what it exported); failed writes are retried
+//!   by the next pass (on change, and every 10 s).
+
+pub mod resolve;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::json;
+use strait_mesh::mcs::{LABEL_SERVICE_NAME, ServiceExport, ServiceImport, ServiceImportType};
+use tokio::sync::Notify;
+
+use resolve::{EXPORTED_SERVICE_ANNOTATION, Export, ExportedService, Resolved, Validity};
+
+/// Field manager of every write (the mirror's own).
+const FIELD_MANAGER: &str = crate::worker::FIELD_MANAGER;
+/// On ServiceImports and derived Services Strait writes; others are never touched.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "strait-mirror");
+
+/// The linked clusters' ServiceExports, by cluster name, shared by the Link
+/// workers (which fill it) and the MCS controller (which reads it).
+#[derive(Clone, Default)]
+pub struct ClustersetFeed {
+    clusters: Arc<Mutex<BTreeMap<String, Member>>>,
+    changed: Arc<Notify>,
+}
+
+impl std::fmt::Debug for ClustersetFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let clusters: Vec<String> = self
+            .clusters
+            .lock()
+            .map(|c| c.keys().cloned().collect())
+            .unwrap_or_default();
+        f.debug_struct("ClustersetFeed")
+            .field("clusters", &clusters)
+            .finish()
+    }
+}
+
+struct Member {
+    link: String,
+    exports: Store<ServiceExport>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error(
+        "Link {other} already links a cluster named {cluster:?}: two clusters cannot share a name in a clusterset; give one of them another name (`strait install --cluster-name`) and link it again"
+    )]
+    DuplicateClusterName { cluster: String, other: String },
+    #[error(
+        "the linked cluster is named {0:?}, like this cluster: give one of them another name (`strait install --cluster-name`) and link it again"
+    )]
+    SameNameAsThisCluster(String),
+}
+
+impl JoinError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            JoinError::DuplicateClusterName { .. } => "DuplicateClusterName",
+            JoinError::SameNameAsThisCluster(_) => "SameNameAsThisCluster",
+        }
+    }
+}
+
+/// A Link's place in the feed; leaving it (drop) removes the cluster's exports.
+pub struct Membership {
+    feed: ClustersetFeed,
+    cluster: String,
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        if let Ok(mut clusters) = self.feed.clusters.lock() {
+            clusters.remove(&self.cluster);
+        }
+        self.feed.changed.notify_one();
+    }
+}
+
+impl ClustersetFeed {
+    /// Adds `cluster`'s exports, as seen through `link`.
+    pub fn join(
+        &self,
+        local_cluster: Option<&str>,
+        cluster: &str,
+        link: &str,
+        exports: Store<ServiceExport>,
+    ) -> Result<Membership, JoinError> {
+        if local_cluster == Some(cluster) {
+            return Err(JoinError::SameNameAsThisCluster(cluster.to_string()));
+        }
+        let mut clusters = self.clusters.lock().expect("feed lock");
+        if let Some(other) = clusters.get(cluster)
+            && other.link != link
+        {
+            return Err(JoinError::DuplicateClusterName {
+                cluster: cluster.to_string(),
+                other: other.link.clone(),
+            });
+        }
+        clusters.insert(
+            cluster.to_string(),
+            Member {
+                link: link.to_string(),
+                exports,
+            },
+        );
+        drop(clusters);
+        self.changed.notify_one();
+        Ok(Membership {
+            feed: self.clone(),
+            cluster: cluster.to_string(),
+        })
+    }
+
+    /// Wakes the controller (a remote store changed).
+    pub fn notify(&self) {
+        self.changed.notify_one();
+    }
+
+    /// Every linked cluster's valid published exports, and whether all of
+    /// them are listed yet.
+    fn snapshot(&self) -> (Vec<(String, Arc<ServiceExport>)>, bool) {
+        let clusters = self.clusters.lock().expect("feed lock");
+        let mut all_listed = true;
+        let mut out = Vec::new();
+        for (cluster, member) in clusters.iter() {
+            // A store that never listed is empty: it must not read as "exports nothing".
+            if member.exports.is_empty() && !store_ready(&member.exports) {
+                all_listed = false;
+            }
+            for export in member.exports.state() {
+                out.push((cluster.clone(), export));
+            }
+        }
+        (out, all_listed)
+    }
+}
+
+fn store_ready<K: Resource + Clone + 'static>(store: &Store<K>) -> bool
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    futures::FutureExt::now_or_never(store.wait_until_ready()).is_some_and(|r| r.is_ok())
+}
+
+/// Watches a remote's ServiceExports into a store, waking `feed` on changes,
+/// until the returned task is aborted.
+pub fn watch_remote_exports(
+    remote: &Client,
+    feed: &ClustersetFeed,
+    cluster: &str,
+) -> (Store<ServiceExport>, tokio::task::JoinHandle<()>) {
+    let (store, writer) = reflector::store::<ServiceExport>();
+    let stream = watcher(
+        Api::<ServiceExport>::all(remote.clone()),
+        Default::default(),
+    )
+    .modify(|e| e.metadata.managed_fields = None)
+    .default_backoff();
+    let (feed, cluster) = (feed.clone(), cluster.to_string());
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+        let mut last_error: Option<String> = None;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(_) => {
+                    last_error = None;
+                    feed.notify();
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    if last_error.as_ref() != Some(&e) {
+                        tracing::warn!(%cluster, "watching the linked cluster's ServiceExports: {e} (is the MCS API installed there, and the link's role up to date? re-run `strait link`)");
+                        last_error = Some(e);
+                    }
+                }
+            }
+        }
+    });
+    (store, task)
+}
+
+/// Name of the Service holding a ClusterSetIP import's IPs (as the MCS
+/// reference implementation: `derived-` + a stable hash of namespace/name).
+pub fn derived_name(ns: &str, name: &str) -> String {
+    // FNV-1a 64: stable across releases (std's hasher is not promised to be).
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in format!("{ns}/{name}").bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("derived-{h:016x}")
+}
+
+type Key = (String, String);
+
+/// The local stores the controller reads.
+struct Local {
+    exports: Store<ServiceExport>,
+    imports: Store<ServiceImport>,
+    services: Store<Service>,
+}
+
+fn watch<K>(api: Api<K>, changed: Arc<Notify>, what: &'static str) -> Store<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    let (store, writer) = reflector::store::<K>();
+    let stream = watcher(api, Default::default())
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        .default_backoff();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(_) => changed.notify_one(),
+                Err(e) => tracing::warn!("watching local {what}: {e}"),
+            }
+        }
+    });
+    store
+}
+
+/// Runs the controller for cluster `cluster` until dropped.
+pub async fn run(client: Client, cluster: String, feed: ClustersetFeed) {
+    let changed = feed.changed.clone();
+    let local = Local {
+        exports: watch(Api::all(client.clone()), changed.clone(), "ServiceExports"),
+        imports: watch(Api::all(client.clone()), changed.clone(), "ServiceImports"),
+        services: watch(Api::all(client.clone()), changed.clone(), "Services"),
+    };
+    for ready in [
+        local.exports.wait_until_ready().await,
+        local.imports.wait_until_ready().await,
+        local.services.wait_until_ready().await,
+    ] {
+        if ready.is_err() {
+            return;
+        }
+    }
+    tracing::info!(%cluster, "multi-cluster services controller started");
+    let controller = Controller {
+        client,
+        cluster,
+        feed,
+        local,
+    };
+    loop {
+        controller.sync().await;
+        tokio::select! {
+            _ = changed.notified() => {
+                // Coalesce bursts (one export touches several stores).
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+        }
+    }
+}
+
+struct Controller {
+    client: Client,
+    cluster: String,
+    feed: ClustersetFeed,
+    local: Local,
+}
+
+/// A write's outcome for the Ready condition.
+type Written = Result<(), String>;
+
+impl Controller {
+    async fn sync(&self) {
+        // 1. Local exports: validity, and what each publishes.
+        let mut exports: BTreeMap<Key, Vec<Export>> = BTreeMap::new();
+        let mut local: Vec<(Arc<ServiceExport>, Validity)> = Vec::new();
+        for export in self.local.exports.state() {
+            let (ns, name) = (export.namespace().unwrap_or_default(), export.name_any());
+            let service = self.local.services.get(&ObjectRef::new(&name).within(&ns));
+            let validity = resolve::validate(service.as_deref());
+            if let Validity::Valid(shape) = &validity {
+                exports
+                    .entry((ns.clone(), name.clone()))
+                    .or_default()
+                    .push(Export {
+                        cluster: self.cluster.clone(),
+                        created: created(&export),
+                        service: shape.clone(),
+                        exported_labels: export.spec.spec.exported_labels.clone(),
+                        exported_annotations: export.spec.spec.exported_annotations.clone(),
+                    });
+            }
+            if let Err(e) = self.publish(&export, &validity).await {
+                tracing::warn!(export = %format!("{ns}/{name}"), "publishing the export: {e}");
+            }
+            local.push((export, validity));
+        }
+        // 2. Linked clusters' published exports.
+        let (remote, all_listed) = self.feed.snapshot();
+        for (cluster, export) in remote {
+            let Some(shape) = export
+                .annotations()
+                .get(EXPORTED_SERVICE_ANNOTATION)
+                .and_then(|a| serde_json::from_str::<ExportedService>(a).ok())
+            else {
+                continue; // invalid there, or not yet published
+            };
+            exports
+                .entry((export.namespace().unwrap_or_default(), export.name_any()))
+                .or_default()
+                .push(Export {
+                    cluster,
+                    created: created(&export),
+                    service: shape,
+                    exported_labels: export.spec.spec.exported_labels.clone(),
+                    exported_annotations: export.spec.spec.exported_annotations.clone(),
+                });
+        }
+        // 3. One ServiceImport per exported service.
+        let mut written: BTreeMap<Key, (Resolved, Written)> = BTreeMap::new();
+        for (key, exports) in &exports {
+            let Some(resolved) = resolve::resolve(exports) else {
+                continue;
+            };
+            let outcome = self.write_import(key, &resolved).await;
+            if let Err(e) = &outcome {
+                tracing::warn!(import = %format!("{}/{}", key.0, key.1), "{e}");
+            }
+            written.insert(key.clone(), (resolved, outcome));
+        }
+        // 4. The local exports' conditions.
+        for (export, validity) in &local {
+            let key = (export.namespace().unwrap_or_default(), export.name_any());
+            if let Err(e) = self
+                .set_conditions(export, validity, written.get(&key))
+                .await
+            {
+                tracing::warn!(export = %format!("{}/{}", key.0, key.1), "writing conditions: {e}");
+            }
+        }
+        // 5. Imports no export backs any more.
+        if all_listed {
+            for import in self.local.imports.state() {
+                let key = (import.namespace().unwrap_or_default(), import.name_any());
+                if ours(import.labels()) && !exports.contains_key(&key) {
+                    let api: Api<ServiceImport> = Api::namespaced(self.client.clone(), &key.0);
+                    match api.delete(&key.1, &DeleteParams::default()).await {
+                        Ok(_) => {
+                            tracing::info!(import = %format!("{}/{}", key.0, key.1), "no cluster exports it any more: ServiceImport deleted")
+                        }
+                        Err(kube::Error::Api(e)) if e.code == 404 => {}
+                        Err(e) => {
+                            tracing::warn!(import = %format!("{}/{}", key.0, key.1), "deleting: {e}")
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes (or withdraws) what a local export exports, when it changed.
+    async fn publish(&self, export: &ServiceExport, validity: &Validity) -> kube::Result<()> {
+        let wanted = match validity {
+            Validity::Valid(shape) => Some(serde_json::to_string(shape).unwrap_or_default()),
+            _ => None,
+        };
+        let current = export.annotations().get(EXPORTED_SERVICE_ANNOTATION);
+        if current == wanted.as_ref() {
+            return Ok(());
+        }
+        let ns = export.namespace().unwrap_or_default();
+        let mut patch = json!({
+            "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceExport",
+            "metadata": {"name": export.name_any(), "namespace": ns},
+        });
+        if let Some(w) = wanted {
+            patch["metadata"]["annotations"] = json!({ EXPORTED_SERVICE_ANNOTATION: w });
+        }
+        Api::<ServiceExport>::namespaced(self.client.clone(), &ns)
+            .patch(
+                &export.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(patch),
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// Writes the ServiceImport of `key` (and its derived Service) when it
+    /// differs from what is there.
+    async fn write_import(&self, key: &Key, r: &Resolved) -> Written {
+        let (ns, name) = key;
+        let api: Api<ServiceImport> = Api::namespaced(self.client.clone(), ns);
+        let existing = self.local.imports.get(&ObjectRef::new(name).within(ns));
+        if let Some(existing) = &existing
+            && !ours(existing.labels())
+        {
+            return Err(format!(
+                "ServiceImport {ns}/{name} exists and was not created by Strait (no label {}={}): left alone; delete it to let Strait manage it",
+                MANAGED_BY.0, MANAGED_BY.1
+            ));
+        }
+        let derived = derived_name(ns, name);
+        let derived_service = self
+            .local
+            .services
+            .get(&ObjectRef::new(&derived).within(ns));
+        let (ips, families) = match (&r.service.type_, &derived_service) {
+            (ServiceImportType::ClusterSetIP, Some(svc)) => {
+                let spec = svc.spec.clone().unwrap_or_default();
+                (
+                    spec.cluster_ips.unwrap_or_default(),
+                    spec.ip_families.unwrap_or_default(),
+                )
+            }
+            _ => (Vec::new(), Vec::new()),
+        };
+        let mut labels: BTreeMap<String, String> = r.labels.clone();
+        labels.insert(MANAGED_BY.0.into(), MANAGED_BY.1.into());
+        let mut spec = json!({
+            "type": r.service.type_,
+            "ports": r.service.ports,
+        });
+        let s = &r.service;
+        let set = |spec: &mut serde_json::Value, k: &str, v: serde_json::Value| {
+            if !v.is_null() {
+                spec[k] = v;
+            }
+        };
+        set(&mut spec, "sessionAffinity", json!(s.session_affinity));
+        set(
+            &mut spec,
+            "sessionAffinityConfig",
+            json!(s.session_affinity_config),
+        );
+        set(
+            &mut spec,
+            "internalTrafficPolicy",
+            json!(s.internal_traffic_policy),
+        );
+        set(
+            &mut spec,
+            "trafficDistribution",
+            json!(s.traffic_distribution),
+        );
+        if !ips.is_empty() {
+            spec["ips"] = json!(ips);
+            spec["ipFamilies"] = json!(families);
+        }
+        let desired = json!({
+            "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+            "metadata": {"name": name, "namespace": ns, "labels": labels, "annotations": r.annotations},
+            "spec": spec,
+        });
+        let up_to_date = existing.as_ref().is_some_and(|e| {
+            serde_json::to_value(&e.spec.spec).ok().as_ref() == Some(&desired["spec"])
+                && labels.iter().all(|(k, v)| e.labels().get(k) == Some(v))
+                && r.annotations
+                    .iter()
+                    .all(|(k, v)| e.annotations().get(k) == Some(v))
+        });
+        let import = if up_to_date {
+            existing.clone().expect("checked")
+        } else {
+            Arc::new(
+                api.patch(
+                    name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&desired),
+                )
+                .await
+                .map_err(|e| format!("writing ServiceImport {ns}/{name}: {e}"))?,
+            )
+        };
+        // Status: the clusters that back it.
+        let clusters: Vec<_> = r.clusters.iter().map(|c| json!({"cluster": c})).collect();
+        let current: Vec<String> = import
+            .status
+            .as_ref()
+            .map(|s| s.clusters.iter().map(|c| c.cluster.clone()).collect())
+            .unwrap_or_default();
+        if current != r.clusters {
+            api.patch_status(
+                name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(json!({
+                    "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+                    "metadata": {"name": name, "namespace": ns},
+                    "status": {"clusters": clusters},
+                })),
+            )
+            .await
+            .map_err(|e| format!("writing the status of ServiceImport {ns}/{name}: {e}"))?;
+        }
+        // The derived Service: the ClusterSetIP.
+        let services: Api<Service> = Api::namespaced(self.client.clone(), ns);
+        if r.service.type_ == ServiceImportType::Headless {
+            if derived_service.is_some() {
+                services
+                    .delete(&derived, &DeleteParams::default())
+                    .await
+                    .map_err(|e| format!("deleting Service {ns}/{derived}: {e}"))?;
+            }
+            return Ok(());
+        }
+        let ports: Vec<_> = r
+            .service
+            .ports
+            .iter()
+            .map(|p| {
+                let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
+                if let Some(a) = &p.app_protocol {
+                    port["appProtocol"] = json!(a);
+                }
+                port
+            })
+            .collect();
+        let wanted_ports = json!(ports);
+        let derived_up_to_date = derived_service.as_ref().is_some_and(|svc| {
+            let have: Vec<_> = svc
+                .spec
+                .as_ref()
+                .and_then(|s| s.ports.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| {
+                    let mut port = json!({"name": p.name.unwrap_or_default(), "port": p.port, "protocol": p.protocol});
+                    if let Some(a) = p.app_protocol {
+                        port["appProtocol"] = json!(a);
+                    }
+                    port
+                })
+                .collect();
+            json!(have) == wanted_ports
+        });
+        if !derived_up_to_date {
+            let owner = json!({
+                "apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+                "name": name, "uid": import.uid().unwrap_or_default(),
+                "controller": true, "blockOwnerDeletion": false,
+            });
+            let svc = services
+                .patch(
+                    &derived,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(json!({
+                        "apiVersion": "v1", "kind": "Service",
+                        "metadata": {"name": derived, "namespace": ns,
+                                     "labels": {MANAGED_BY.0: MANAGED_BY.1, LABEL_SERVICE_NAME: name},
+                                     "ownerReferences": [owner]},
+                        "spec": {"type": "ClusterIP", "ports": wanted_ports},
+                    })),
+                )
+                .await
+                .map_err(|e| format!("writing Service {ns}/{derived} (the ClusterSetIP): {e}"))?;
+            // The IPs now, not at the next pass.
+            let spec = svc.spec.unwrap_or_default();
+            let ips = spec.cluster_ips.unwrap_or_default();
+            if !ips.is_empty() && derived_service.is_none() {
+                let mut desired = desired.clone();
+                desired["spec"]["ips"] = json!(ips);
+                desired["spec"]["ipFamilies"] = json!(spec.ip_families.unwrap_or_default());
+                api.patch(
+                    name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&desired),
+                )
+                .await
+                .map_err(|e| format!("writing the IPs of ServiceImport {ns}/{name}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The export's conditions, written only when one changed.
+    async fn set_conditions(
+        &self,
+        export: &ServiceExport,
+        validity: &Validity,
+        import: Option<&(Resolved, Written)>,
+    ) -> kube::Result<()> {
+        let (ns, name) = (export.namespace().unwrap_or_default(), export.name_any());
+        let mut wanted: Vec<(&str, String, String, String)> = Vec::new();
+        let (status, reason, message) = validity.condition(&ns, &name);
+        wanted.push(("Valid", status.into(), reason.into(), message));
+        match (validity, import) {
+            (Validity::Valid(_), Some((resolved, written))) => {
+                let (status, reason, message) = resolved.conflict_condition();
+                wanted.push(("Conflict", status.into(), reason, message));
+                match written {
+                    Ok(()) if resolved.clusters.contains(&self.cluster) => wanted.push((
+                        "Ready",
+                        "True".into(),
+                        "Ready".into(),
+                        format!(
+                            "ServiceImport {ns}/{name} written; clusters that link to this one import it"
+                        ),
+                    )),
+                    Ok(()) => wanted.push((
+                        "Ready",
+                        "False".into(),
+                        "Failed".into(),
+                        "this export conflicts with the oldest one and is not served (see Conflict)".into(),
+                    )),
+                    Err(e) => wanted.push(("Ready", "False".into(), "Failed".into(), e.clone())),
+                }
+            }
+            (Validity::Valid(_), None) => wanted.push((
+                "Ready",
+                "Unknown".into(),
+                "Pending".into(),
+                "being exported".into(),
+            )),
+            _ => wanted.push((
+                "Ready",
+                "False".into(),
+                "Failed".into(),
+                "not exported: see the Valid condition".into(),
+            )),
+        }
+        let current = export
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default();
+        let summary = |c: &Condition| {
+            (
+                c.type_.clone(),
+                c.status.clone(),
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        };
+        let mut have: Vec<_> = current.iter().map(summary).collect();
+        let mut want: Vec<_> = wanted
+            .iter()
+            .map(|w| (w.0.to_string(), w.1.clone(), w.2.clone(), w.3.clone()))
+            .collect();
+        have.sort();
+        want.sort();
+        if have == want {
+            return Ok(());
+        }
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let generation = export.metadata.generation;
+        let conditions: Vec<Condition> = wanted
+            .iter()
+            .map(|w| {
+                // The transition time moves only when the status does.
+                let since = current
+                    .iter()
+                    .find(|c| c.type_ == w.0 && c.status == w.1)
+                    .map(|c| c.last_transition_time.clone())
+                    .unwrap_or_else(|| now.clone());
+                Condition {
+                    type_: w.0.into(),
+                    status: w.1.clone(),
+                    reason: w.2.clone(),
+                    message: w.3.clone(),
+                    last_transition_time: since,
+                    observed_generation: generation,
+                }
+            })
+            .collect();
+        Api::<ServiceExport>::namespaced(self.client.clone(), &ns)
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"conditions": conditions}})),
+            )
+            .await
+            .map(|_| ())
+    }
+}
+
+fn ours(labels: &BTreeMap<String, String>) -> bool {
+    labels.get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1)
+}
+
+fn created(export: &ServiceExport) -> i64 {
+    export
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0.as_second())
+        .unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_names_are_stable_dns_labels() {
+        let a = derived_name("shop", "web");
+        assert_eq!(a, derived_name("shop", "web"));
+        assert_ne!(a, derived_name("shop", "web2"));
+        assert!(a.len() <= 63 && a.starts_with("derived-"), "{a}");
+        assert!(
+            a.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        );
+        // Pinned: a new derivation would orphan every derived Service.
+        assert_eq!(a, "derived-1b2ce43c8d2a78c4");
+    }
+}
