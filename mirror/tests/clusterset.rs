@@ -7,6 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
@@ -18,7 +19,7 @@ use strait_mesh::mcs::{
 use strait_mirror::mcs::{ClustersetFeed, derived_name};
 use strait_testenv::Cluster;
 use strait_testenv::wait::eventually;
-use strait_testenv::workloads::ensure_namespace;
+use strait_testenv::workloads::{TestPod, create_node, create_ready_pod, ensure_namespace};
 
 use common::{WAIT, admin_kubeconfig, condition, from_json, install_crd, link, link_with};
 
@@ -222,6 +223,76 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
     let (reason, _) = export_condition(&wc, "shop", "web", "Conflict", "False").await;
     assert_eq!(reason, "NoConflicts");
 
+    // Slices: west's own pods in west; in east, west's gateways, ready once
+    // web has a ready pod in west.
+    let derived = derived_name("shop", "web");
+    let slice_name = format!("{derived}-west");
+    let remote_slice = |client: &Client| {
+        let api: Api<EndpointSlice> = Api::namespaced(client.clone(), "shop");
+        let name = slice_name.clone();
+        async move { api.get(&name).await.map_err(|e| e.to_string()) }
+    };
+    let s = until("west's slice in east", || remote_slice(&ec)).await;
+    let labels = s.labels();
+    assert_eq!(labels["kubernetes.io/service-name"], derived);
+    assert_eq!(labels["multicluster.kubernetes.io/service-name"], "web");
+    assert_eq!(labels["multicluster.kubernetes.io/source-cluster"], "west");
+    assert_eq!(
+        labels["endpointslice.kubernetes.io/managed-by"],
+        "mcs.strait.dev"
+    );
+    assert_eq!(
+        s.annotations()["strait.dev/remote-svc-fq-name"],
+        "web.shop.svc.cluster.local"
+    );
+    let addresses: Vec<_> = s
+        .endpoints
+        .iter()
+        .flatten()
+        .flat_map(|e| e.addresses.clone())
+        .collect();
+    assert_eq!(addresses, ["10.77.0.1", "10.77.0.2"], "the Link's gateways");
+    create_node(&wc, "w-node-1", "10.20.0.1".parse().unwrap())
+        .await
+        .unwrap();
+    create_ready_pod(
+        &wc,
+        &TestPod::new("shop", "web-0", "w-node-1", "10.244.9.1".parse().unwrap())
+            .with_label("app", "web")
+            .with_port("http", 8080),
+    )
+    .await
+    .unwrap();
+    until("west's endpoints ready in east", || async {
+        let s = remote_slice(&ec).await?;
+        let ready = s
+            .endpoints
+            .iter()
+            .flatten()
+            .all(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true));
+        (s.annotations()
+            .get("multicluster.strait.dev/ready-endpoints")
+            .map(String::as_str)
+            == Some("1")
+            && ready)
+            .then_some(())
+            .ok_or(format!("{:?} {:?}", s.metadata.annotations, s.endpoints))
+    })
+    .await;
+    until("the pod in west's own slice", || async {
+        let s = remote_slice(&wc).await?;
+        let addresses: Vec<_> = s
+            .endpoints
+            .iter()
+            .flatten()
+            .flat_map(|e| e.addresses.clone())
+            .collect();
+        (addresses == ["10.244.9.1"] && s.ports.as_ref().is_some_and(|p| p[0].port == Some(8080)))
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+
     // 2. East exports web on another port, later: both exports conflict, the oldest (west) wins.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     create_service(&ec, "shop", web(81)).await;
@@ -336,6 +407,25 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
                 }
             },
         )
+        .await;
+        let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "shop");
+        until(&format!("web's slices gone from {cluster}"), || async {
+            let left: Vec<String> = slices
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .iter()
+                .filter(|s| {
+                    s.labels()
+                        .get("multicluster.kubernetes.io/service-name")
+                        .map(String::as_str)
+                        == Some("web")
+                })
+                .map(|s| s.name_any())
+                .collect();
+            left.is_empty().then_some(()).ok_or(format!("{left:?}"))
+        })
         .await;
     }
     for t in tasks {

@@ -21,6 +21,7 @@
 //!   by the next pass (on change, and every 10 s).
 
 pub mod resolve;
+pub mod slices;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -28,6 +29,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -35,7 +37,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use strait_mesh::mcs::{LABEL_SERVICE_NAME, ServiceExport, ServiceImport, ServiceImportType};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
+
+use crate::probe::GatewayEndpoint;
 
 use resolve::{EXPORTED_SERVICE_ANNOTATION, Export, ExportedService, Resolved, Validity};
 
@@ -67,7 +71,21 @@ impl std::fmt::Debug for ClustersetFeed {
 
 struct Member {
     link: String,
-    exports: Store<ServiceExport>,
+    remote: RemoteCluster,
+}
+
+/// What a Link's worker shares about its remote cluster.
+pub struct RemoteCluster {
+    /// The remote's ServiceExports.
+    pub exports: Store<ServiceExport>,
+    /// The remote's EndpointSlices of Services (for ready counts), when watched.
+    pub slices: Option<Store<EndpointSlice>>,
+    /// The Link's gateway addresses and their liveness.
+    pub gateways: watch::Receiver<Option<Vec<GatewayEndpoint>>>,
+    pub gateway_port: u16,
+    pub gateway_identity: String,
+    /// The remote cluster's DNS domain.
+    pub domain: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -113,7 +131,7 @@ impl ClustersetFeed {
         local_cluster: Option<&str>,
         cluster: &str,
         link: &str,
-        exports: Store<ServiceExport>,
+        remote: RemoteCluster,
     ) -> Result<Membership, JoinError> {
         if local_cluster == Some(cluster) {
             return Err(JoinError::SameNameAsThisCluster(cluster.to_string()));
@@ -131,7 +149,7 @@ impl ClustersetFeed {
             cluster.to_string(),
             Member {
                 link: link.to_string(),
-                exports,
+                remote,
             },
         );
         drop(clusters);
@@ -147,23 +165,42 @@ impl ClustersetFeed {
         self.changed.notify_one();
     }
 
-    /// Every linked cluster's valid published exports, and whether all of
-    /// them are listed yet.
-    fn snapshot(&self) -> (Vec<(String, Arc<ServiceExport>)>, bool) {
+    /// Every linked cluster's exports, what their slices need, and whether
+    /// every cluster's exports are listed yet.
+    fn snapshot(&self) -> Snapshot {
         let clusters = self.clusters.lock().expect("feed lock");
-        let mut all_listed = true;
-        let mut out = Vec::new();
+        let mut snap = Snapshot {
+            all_listed: true,
+            ..Default::default()
+        };
         for (cluster, member) in clusters.iter() {
+            let r = &member.remote;
             // A store that never listed is empty: it must not read as "exports nothing".
-            if member.exports.is_empty() && !store_ready(&member.exports) {
-                all_listed = false;
+            if !store_ready(&r.exports) {
+                snap.all_listed = false;
             }
-            for export in member.exports.state() {
-                out.push((cluster.clone(), export));
+            for export in r.exports.state() {
+                snap.exports.push((cluster.clone(), export));
             }
+            let view = slices::RemoteView {
+                cluster: cluster.clone(),
+                gateways: r.gateways.borrow().clone().unwrap_or_default(),
+                gateway_port: r.gateway_port,
+                gateway_identity: r.gateway_identity.clone(),
+                domain: r.domain.clone(),
+            };
+            snap.remotes
+                .insert(cluster.clone(), (view, r.slices.clone()));
         }
-        (out, all_listed)
+        snap
     }
+}
+
+#[derive(Default)]
+struct Snapshot {
+    exports: Vec<(String, Arc<ServiceExport>)>,
+    remotes: BTreeMap<String, (slices::RemoteView, Option<Store<EndpointSlice>>)>,
+    all_listed: bool,
 }
 
 fn store_ready<K: Resource + Clone + 'static>(store: &Store<K>) -> bool
@@ -229,6 +266,8 @@ struct Local {
     exports: Store<ServiceExport>,
     imports: Store<ServiceImport>,
     services: Store<Service>,
+    /// Every slice that belongs to a Service (the exported ones' and ours).
+    slices: Store<EndpointSlice>,
 }
 
 fn watch<K>(api: Api<K>, changed: Arc<Notify>, what: &'static str) -> Store<K>
@@ -259,11 +298,13 @@ pub async fn run(client: Client, cluster: String, feed: ClustersetFeed) {
         exports: watch(Api::all(client.clone()), changed.clone(), "ServiceExports"),
         imports: watch(Api::all(client.clone()), changed.clone(), "ServiceImports"),
         services: watch(Api::all(client.clone()), changed.clone(), "Services"),
+        slices: watch(Api::all(client.clone()), changed.clone(), "EndpointSlices"),
     };
     for ready in [
         local.exports.wait_until_ready().await,
         local.imports.wait_until_ready().await,
         local.services.wait_until_ready().await,
+        local.slices.wait_until_ready().await,
     ] {
         if ready.is_err() {
             return;
@@ -325,8 +366,9 @@ impl Controller {
             local.push((export, validity));
         }
         // 2. Linked clusters' published exports.
-        let (remote, all_listed) = self.feed.snapshot();
-        for (cluster, export) in remote {
+        let snap = self.feed.snapshot();
+        let all_listed = snap.all_listed;
+        for (cluster, export) in snap.exports.iter().cloned() {
             let Some(shape) = export
                 .annotations()
                 .get(EXPORTED_SERVICE_ANNOTATION)
@@ -351,7 +393,10 @@ impl Controller {
             let Some(resolved) = resolve::resolve(exports) else {
                 continue;
             };
-            let outcome = self.write_import(key, &resolved).await;
+            let mut outcome = self.write_import(key, &resolved).await;
+            if outcome.is_ok() {
+                outcome = self.write_slices(key, &resolved, &snap).await;
+            }
             if let Err(e) = &outcome {
                 tracing::warn!(import = %format!("{}/{}", key.0, key.1), "{e}");
             }
@@ -367,7 +412,38 @@ impl Controller {
                 tracing::warn!(export = %format!("{}/{}", key.0, key.1), "writing conditions: {e}");
             }
         }
-        // 5. Imports no export backs any more.
+        // 5. Slices of sources that no longer back an import (a source
+        //    cluster gone, an import deleted: owner references take the rest).
+        let wanted: std::collections::BTreeSet<(String, String)> = written
+            .iter()
+            .flat_map(|((ns, name), (r, _))| {
+                let derived = derived_name(ns, name);
+                r.clusters
+                    .iter()
+                    .map(move |c| (ns.clone(), slices::slice_name(&derived, c)))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if all_listed {
+            for slice in self.local.slices.state() {
+                let managed = slice
+                    .labels()
+                    .get(crate::mirror::MANAGED_BY_LABEL)
+                    .map(String::as_str)
+                    == Some(slices::MANAGED_BY);
+                let key = (slice.namespace().unwrap_or_default(), slice.name_any());
+                if managed && !wanted.contains(&key) {
+                    let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &key.0);
+                    match api.delete(&key.1, &DeleteParams::default()).await {
+                        Ok(_) | Err(kube::Error::Api(_)) => {}
+                        Err(e) => {
+                            tracing::warn!(slice = %format!("{}/{}", key.0, key.1), "deleting: {e}")
+                        }
+                    }
+                }
+            }
+        }
+        // 6. Imports no export backs any more.
         if all_listed {
             for import in self.local.imports.state() {
                 let key = (import.namespace().unwrap_or_default(), import.name_any());
@@ -597,6 +673,87 @@ impl Controller {
                 .await
                 .map_err(|e| format!("writing the IPs of ServiceImport {ns}/{name}: {e}"))?;
             }
+        }
+        Ok(())
+    }
+
+    /// The derived Service's slices, one per source cluster, where they differ.
+    async fn write_slices(&self, key: &Key, r: &Resolved, snap: &Snapshot) -> Written {
+        let (ns, name) = key;
+        let derived = derived_name(ns, name);
+        let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
+        let owner = self
+            .local
+            .services
+            .get(&ObjectRef::new(&derived).within(ns))
+            .and_then(|svc| svc.uid())
+            .map(|uid| {
+                json!([{"apiVersion": "v1", "kind": "Service", "name": derived, "uid": uid,
+                               "controller": true, "blockOwnerDeletion": false}])
+            });
+        let Some(owner) = owner else {
+            return Ok(()); // headless, or the derived Service is new: the next pass writes them
+        };
+        let slices_of = |store: &Store<EndpointSlice>, svc: &str| -> Vec<Arc<EndpointSlice>> {
+            store
+                .state()
+                .into_iter()
+                .filter(|s| {
+                    s.namespace().as_deref() == Some(ns.as_str())
+                        && s.labels()
+                            .get(crate::mirror::SERVICE_NAME_LABEL)
+                            .map(String::as_str)
+                            == Some(svc)
+                        && s.labels()
+                            .get(crate::mirror::MANAGED_BY_LABEL)
+                            .map(String::as_str)
+                            != Some(slices::MANAGED_BY)
+                })
+                .collect()
+        };
+        for cluster in &r.clusters {
+            let desired = if *cluster == self.cluster {
+                let own = slices_of(&self.local.slices, name);
+                let own: Vec<&EndpointSlice> = own.iter().map(|s| s.as_ref()).collect();
+                slices::local_slice(ns, name, &derived, cluster, &own)
+            } else if let Some((view, remote_slices)) = snap.remotes.get(cluster) {
+                let ready = remote_slices.as_ref().map(|store| {
+                    let theirs = slices_of(store, name);
+                    slices::ready_count(&theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
+                });
+                slices::remote_slice(ns, name, &derived, view, &r.service.ports, ready)
+            } else {
+                continue;
+            };
+            let slice_name = desired.metadata.name.clone().unwrap_or_default();
+            let current = self
+                .local
+                .slices
+                .get(&ObjectRef::new(&slice_name).within(ns));
+            let same = current.as_ref().is_some_and(|c| {
+                c.endpoints == desired.endpoints
+                    && c.ports == desired.ports
+                    && desired
+                        .metadata
+                        .annotations
+                        .iter()
+                        .flatten()
+                        .all(|(k, v)| c.annotations().get(k) == Some(v))
+            });
+            if same {
+                continue;
+            }
+            let mut body = serde_json::to_value(&desired).map_err(|e| e.to_string())?;
+            body["apiVersion"] = json!("discovery.k8s.io/v1");
+            body["kind"] = json!("EndpointSlice");
+            body["metadata"]["ownerReferences"] = owner.clone();
+            api.patch(
+                &slice_name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(body),
+            )
+            .await
+            .map_err(|e| format!("writing EndpointSlice {ns}/{slice_name}: {e}"))?;
         }
         Ok(())
     }

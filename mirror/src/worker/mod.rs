@@ -93,33 +93,6 @@ async fn mirror_link(
         }
     };
     status.set_health(LinkHealth::credentials_ok()).await;
-    // The remote's ServiceExports, for the clusterset (held while mirroring).
-    let _clusterset = match &config.clusterset {
-        Some((local_name, feed)) => {
-            let (exports, task) =
-                crate::mcs::watch_remote_exports(&remote, feed, &spec.target_cluster_name);
-            let key = format!(
-                "{}/{}",
-                link.namespace().unwrap_or_default(),
-                link.name_any()
-            );
-            match feed.join(Some(local_name), &spec.target_cluster_name, &key, exports) {
-                Ok(member) => {
-                    status.set_health(LinkHealth::clusterset_member()).await;
-                    Some((member, AbortOnDrop(task)))
-                }
-                Err(e) => {
-                    task.abort();
-                    tracing::warn!(link = %key, "{e}");
-                    status
-                        .set_health(LinkHealth::clusterset_refused(e.reason(), &e.to_string()))
-                        .await;
-                    None
-                }
-            }
-        }
-        None => None,
-    };
     let mut renewer = JoinSet::new();
     renewer.spawn(crate::token::keep_fresh(
         here.client.clone(),
@@ -140,9 +113,22 @@ async fn mirror_link(
             gateways: &[],
         };
         sync(here, spec, nothing, &mut applied, status, Pass::full()).await;
+        // Still a member of the clusterset (its exports are not selected by label).
+        let _clusterset =
+            join_clusterset(&remote, link, status, config, None, gateways.clone()).await;
         return futures::future::pending().await;
     };
-    let mut remote = RemoteWatch::start(&remote, &selector);
+    let remote_watch = RemoteWatch::start(&remote, &selector);
+    let _clusterset = join_clusterset(
+        &remote,
+        link,
+        status,
+        config,
+        Some(remote_watch.slices.clone()),
+        gateways.clone(),
+    )
+    .await;
+    let mut remote = remote_watch;
     let mut staleness = Staleness::new(spec.staleness_ttl.as_deref());
 
     // Until the first full list: errors mark the remote unreachable, and past
@@ -193,11 +179,17 @@ async fn mirror_link(
         }
         tokio::select! {
             _ = remote.changed.notified() => {
+                if let Some((_, feed)) = &config.clusterset {
+                    feed.notify();
+                }
                 // Coalesce bursts (a deployment rollout touches many slices).
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 pass(&mut applied, &gateways, Pass::stale(staleness.is_stale())).await;
             }
             Ok(()) = gateways.changed() => {
+                if let Some((_, feed)) = &config.clusterset {
+                    feed.notify();
+                }
                 pass(&mut applied, &gateways, Pass::stale(staleness.is_stale())).await;
             }
             Some(health) = remote.health.recv() => match health {
@@ -217,6 +209,49 @@ async fn mirror_link(
             _ = tokio::time::sleep(staleness.recheck()) => {
                 pass(&mut applied, &gateways, Pass::stale(staleness.is_stale())).await;
             }
+        }
+    }
+}
+
+/// Joins the clusterset feed with the remote's ServiceExports (watched here
+/// for as long as the result is held), its slices and the Link's gateway; a
+/// refusal (a name already linked, or this cluster's) goes to the Link's status.
+async fn join_clusterset(
+    remote: &Client,
+    link: &Link,
+    status: &StatusReporter,
+    config: &MirrorConfig,
+    slices: Option<Store<EndpointSlice>>,
+    gateways: GatewayWatch,
+) -> Option<(crate::mcs::Membership, AbortOnDrop)> {
+    let (local_name, feed) = config.clusterset.as_ref()?;
+    let spec = &link.spec;
+    let (exports, task) = crate::mcs::watch_remote_exports(remote, feed, &spec.target_cluster_name);
+    let key = format!(
+        "{}/{}",
+        link.namespace().unwrap_or_default(),
+        link.name_any()
+    );
+    let member = crate::mcs::RemoteCluster {
+        exports,
+        slices,
+        gateways,
+        gateway_port: spec.gateway_port,
+        gateway_identity: spec.gateway_identity.clone(),
+        domain: spec.target_cluster_domain.clone(),
+    };
+    match feed.join(Some(local_name), &spec.target_cluster_name, &key, member) {
+        Ok(member) => {
+            status.set_health(LinkHealth::clusterset_member()).await;
+            Some((member, AbortOnDrop(task)))
+        }
+        Err(e) => {
+            task.abort();
+            tracing::warn!(link = %key, "{e}");
+            status
+                .set_health(LinkHealth::clusterset_refused(e.reason(), &e.to_string()))
+                .await;
+            None
         }
     }
 }

@@ -111,7 +111,7 @@ pub async fn remote_client(local: &Client, link: &Link) -> Result<Client, Creden
 }
 
 /// The Link's gateway addresses and whether each is alive (`None` until first known).
-pub(super) type GatewayWatch = watch::Receiver<Option<Vec<GatewayEndpoint>>>;
+pub(crate) type GatewayWatch = watch::Receiver<Option<Vec<GatewayEndpoint>>>;
 
 /// Starts resolving and probing the Link's gateway, in `tasks`.
 pub(super) fn gateways(
