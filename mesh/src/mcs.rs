@@ -18,6 +18,8 @@ pub const MCS_GROUP: &str = "multicluster.x-k8s.io";
 pub const LABEL_SERVICE_NAME: &str = "multicluster.kubernetes.io/service-name";
 /// EndpointSlice label: the cluster whose endpoints a slice lists.
 pub const LABEL_SOURCE_CLUSTER: &str = "multicluster.kubernetes.io/source-cluster";
+/// On the ServiceImports, derived Services and slices Strait writes.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "strait-mirror");
 /// The ClusterProperty naming this cluster (KEP-2149).
 pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";
 /// The ClusterProperty naming the clusterset this cluster belongs to.
@@ -178,6 +180,39 @@ pub struct ClusterPropertySpec {
     pub value: String,
 }
 
+/// Which clusters serve a clusterset service's callers (`strait.dev/affinity`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Affinity {
+    /// This cluster's pods while any is ready, else the other clusters.
+    #[default]
+    Local,
+    /// The other clusters while any serves it, else this cluster's pods.
+    Remote,
+    /// Every ready endpoint of every cluster.
+    None,
+}
+
+impl Affinity {
+    /// `local`, `remote` or `none`; `PreferClose` (a Service's
+    /// `trafficDistribution`) means `local`.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "local" | "preferclose" => Some(Affinity::Local),
+            "remote" => Some(Affinity::Remote),
+            "none" => Some(Affinity::None),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Affinity::Local => "local",
+            Affinity::Remote => "remote",
+            Affinity::None => "none",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,6 +266,16 @@ mod tests {
         assert_eq!(import.spec.spec.type_, ServiceImportType::ClusterSetIP);
         assert_eq!(import.spec.spec.ports[0].port, 80);
         assert_eq!(import.status.unwrap().clusters[0].cluster, "east");
+    }
+
+    #[test]
+    fn affinities_parse() {
+        assert_eq!(Affinity::parse("Local"), Some(Affinity::Local));
+        assert_eq!(Affinity::parse("PreferClose"), Some(Affinity::Local));
+        assert_eq!(Affinity::parse("remote"), Some(Affinity::Remote));
+        assert_eq!(Affinity::parse(" none "), Some(Affinity::None));
+        assert_eq!(Affinity::parse("nearest"), None);
+        assert_eq!(Affinity::default().as_str(), "local");
     }
 
     #[test]

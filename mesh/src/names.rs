@@ -48,6 +48,15 @@ pub const TRANSPARENT_ANNOTATION: &str = "strait.dev/transparent";
 /// Service annotation: the longest an HTTP request to it may take, retries
 /// included (e.g. `2s`, `500ms`); past it the caller gets a 504.
 pub const TIMEOUT_ANNOTATION: &str = "strait.dev/timeout";
+/// Service annotation, written by the MCS controller: `true` while a valid
+/// ServiceExport exports the Service to the clusterset (the gateway then
+/// serves it, as it does Services with the export label).
+pub const CLUSTERSET_EXPORTED_ANNOTATION: &str = "multicluster.strait.dev/exported";
+/// ServiceExport or Service annotation: which clusters serve a clusterset
+/// service's callers: `local` (default: this cluster's pods while any is
+/// ready, else the other clusters), `remote` (other clusters while any
+/// serves it), `none` (all, balanced per request).
+pub const AFFINITY_ANNOTATION: &str = "strait.dev/affinity";
 /// Pod, Namespace or Service annotation: ports never protocol-detected.
 pub const OPAQUE_PORTS_ANNOTATION: &str = "strait.dev/opaque-ports";
 

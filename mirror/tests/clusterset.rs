@@ -218,6 +218,26 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
         );
         assert_eq!(derived.owner_references()[0].uid, i.uid().unwrap());
     }
+    let marked = |client: &Client, name: &'static str| {
+        let api: Api<Service> = Api::namespaced(client.clone(), "shop");
+        async move {
+            let svc = api.get(name).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(
+                svc.annotations()
+                    .get("multicluster.strait.dev/exported")
+                    .cloned(),
+            )
+        }
+    };
+    until(
+        "west's web marked exported (the gateway serves it)",
+        || async {
+            (marked(&wc, "web").await? == Some("true".into()))
+                .then_some(())
+                .ok_or("not marked".to_string())
+        },
+    )
+    .await;
     let (reason, _) = export_condition(&wc, "shop", "web", "Ready", "True").await;
     assert_eq!(reason, "Ready");
     let (reason, _) = export_condition(&wc, "shop", "web", "Conflict", "False").await;
@@ -388,6 +408,12 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
         Some("True")
     );
 
+    assert_eq!(
+        marked(&ec, "ext").await.unwrap(),
+        None,
+        "an invalid export marks nothing"
+    );
+
     // 6. Unexported everywhere: the imports and their derived Services go.
     for client in [&ec, &wc] {
         Api::<ServiceExport>::namespaced(client.clone(), "shop")
@@ -407,6 +433,12 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
                 }
             },
         )
+        .await;
+        until(&format!("web unmarked in {cluster}"), || async {
+            (marked(client, "web").await?.is_none())
+                .then_some(())
+                .ok_or("still marked".to_string())
+        })
         .await;
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "shop");
         until(&format!("web's slices gone from {cluster}"), || async {

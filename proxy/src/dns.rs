@@ -78,7 +78,11 @@ pub fn decide(request: &Message, names: &dyn ServiceNames) -> Decision {
             .trim_end_matches('.')
             .to_ascii_lowercase()
     );
-    if !(name.ends_with(&format!(".{zone}")) || name == zone) {
+    // The cluster's zone and the clusterset's (`<svc>.<ns>.svc.clusterset.local`,
+    // the MCS API's ClusterSetIPs).
+    let clusterset_zone = format!("svc.{}.", strait_mesh::names::CLUSTERSET_DOMAIN);
+    let ours = |zone: &str| name.ends_with(&format!(".{zone}")) || name == zone;
+    if !(ours(&zone) || ours(&clusterset_zone)) {
         return Decision::Forward;
     }
     let mut response = Message::new(id, MessageType::Response, OpCode::Query);
@@ -218,6 +222,7 @@ mod tests {
         fn lookup(&self, host: &str) -> Option<Vec<IpAddr>> {
             match host.trim_end_matches('.') {
                 "web.shop.svc.cluster.local" => Some(vec!["10.96.0.10".parse().unwrap()]),
+                "web.shop.svc.clusterset.local" => Some(vec!["10.96.0.30".parse().unwrap()]),
                 "db.shop.svc.cluster.local" => {
                     Some((1..=60).map(|i| IpAddr::from([10, 244, 1, i])).collect())
                 }
@@ -262,6 +267,17 @@ mod tests {
                 .to_ascii()
                 .eq_ignore_ascii_case("web.shop.svc.cluster.local.")
         );
+    }
+
+    #[test]
+    fn clusterset_names_are_answered_too() {
+        let a = answer(&query("web.shop.svc.clusterset.local.", RecordType::A));
+        assert_eq!(
+            a.answers[0].data,
+            RData::A(A("10.96.0.30".parse().unwrap()))
+        );
+        let missing = answer(&query("nope.shop.svc.clusterset.local.", RecordType::A));
+        assert_eq!(missing.metadata.response_code, ResponseCode::NXDomain);
     }
 
     #[test]

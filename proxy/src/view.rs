@@ -132,13 +132,24 @@ fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
                 identity: identity.clone(),
                 via: Via::NodeProxy(*proxy),
             }),
-            discovery::Route::Gateway { gateway, identity } => {
-                let mirror = destination.mirror.as_ref()?;
-                (!mirror.remote_fq_name.is_empty()).then(|| Endpoint {
+            discovery::Route::Gateway {
+                gateway,
+                identity,
+                service,
+            } => {
+                // The slice names the remote Service (a clusterset service's
+                // linked clusters), else the mirror does.
+                let remote = service.clone().or_else(|| {
+                    destination
+                        .mirror
+                        .as_ref()
+                        .map(|m| m.remote_fq_name.clone())
+                })?;
+                (!remote.is_empty()).then(|| Endpoint {
                     addr: *gateway,
                     identity: identity.clone(),
                     via: Via::Gateway {
-                        service: mirror.remote_fq_name.clone(),
+                        service: remote,
                         port: destination.port.port,
                     },
                 })

@@ -379,3 +379,95 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     east.pods.insert("app".into(), (app, None));
     west.pods.insert("gateway".into(), (gw_pod, None));
 }
+
+/// A clusterset service (MCS API) as east's node proxy sees it, with the
+/// objects the MCS controller writes: `web.shop.svc.clusterset.local` is served
+/// by east's own pod while it is ready (affinity `local`), by west through the
+/// gateway (the caller still proven end to end) when it is not, and by east
+/// again when it returns; west's gateway serves `web` because the controller
+/// marked it exported, not by label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clusterset_service_prefers_local_pods_and_fails_over_to_the_gateway() {
+    if !root_or_skip("cross-cluster tests") {
+        return;
+    }
+    let proxy = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
+    let anchor = ca::new_trust_anchor("strait trust anchor", Duration::from_secs(2 * 86400))
+        .expect("a trust anchor");
+    let (mut east, mut west) = tokio::join!(
+        start_mesh_named("east", 2, proxy, &anchor),
+        start_mesh_named("west", 2, proxy, &anchor)
+    );
+    let west_api = west.topology.cluster().client();
+    backend(&mut west, 0, "web-w1", "web", &[]).await;
+    service(&west_api, "web").await;
+    kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(west_api.clone(), "shop")
+        .patch(
+            "web",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                serde_json::json!({"metadata": {"annotations": {"multicluster.strait.dev/exported": "true"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let (gw_pod, gw) = start_gateway(&mut west, 1, &[]).await;
+    west.proxies.push(gw);
+    let wan = Wan::connect(&[east.topology.network(), west.topology.network()])
+        .expect("a WAN between east and west");
+    wan.expose_pod(&gw_pod, &[4143])
+        .expect("expose the gateway");
+
+    let east_api = east.topology.cluster().client();
+    backend(&mut east, 1, "web-e1", "web", &[]).await;
+    service(&east_api, "web").await;
+    add_client(&mut east, 0).await;
+    let local_ip = IpAddr::V4(east.pods["web-e1"].0.ip());
+    clusterset_service(
+        &east_api,
+        "web",
+        ("web-e1", local_ip),
+        "west",
+        IpAddr::V4(gw_pod.ip()),
+        &west.trust_domain,
+        "local",
+    )
+    .await;
+    let url = "http://web.shop.svc.clusterset.local/mcs";
+    let served_by = |want: &'static str| {
+        let east = &east;
+        async move {
+            let out = curl(east, &[url]);
+            match answered_by(&out) {
+                Ok(pod) if pod == want => Ok(text(&out)),
+                Ok(pod) => Err(format!("answered by {pod}, not {want}")),
+                Err(e) => Err(e),
+            }
+        }
+    };
+
+    // Local pods while one is ready: every request stays in east.
+    eventually("east's own pod serves the clusterset name", WAIT, || {
+        served_by("web-e1")
+    })
+    .await;
+    for _ in 0..5 {
+        served_by("web-e1")
+            .await
+            .expect("local affinity keeps requests in east");
+    }
+    // East's pod not ready: west serves it through the gateway, as the caller.
+    clusterset_local_ready(&east_api, "web", false).await;
+    let body = eventually("west serves it once east's pod is not ready", WAIT, || {
+        served_by("web-w1")
+    })
+    .await;
+    let v: serde_json::Value = serde_json::from_str(body.trim()).unwrap();
+    assert_eq!(v["headers"]["strait-client-id"], CALLER, "{v}");
+    for _ in 0..5 {
+        served_by("web-w1").await.expect("no local pod: west only");
+    }
+    // Back when east's pod is.
+    clusterset_local_ready(&east_api, "web", true).await;
+    eventually("east's pod serves it again", WAIT, || served_by("web-e1")).await;
+}

@@ -240,7 +240,9 @@ async fn discovery_follows_services_pods_nodes_and_mirrors() {
     );
     match &mirror.endpoints[..] {
         [e] => match &e.route {
-            Route::Gateway { gateway, identity } => {
+            Route::Gateway {
+                gateway, identity, ..
+            } => {
                 assert_eq!(*gateway, addr("10.77.0.1:4143"));
                 assert_eq!(
                     identity.to_string(),

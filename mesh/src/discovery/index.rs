@@ -15,8 +15,8 @@ use crate::detect::{OpaquePorts, PortsSource};
 
 use super::names::{parse_service_host, parse_timeout};
 use crate::names::{
-    ALLOWED_IDENTITIES_ANNOTATION, OPAQUE_PORTS_ANNOTATION, TIMEOUT_ANNOTATION,
-    TRANSPARENT_ANNOTATION,
+    ALLOWED_IDENTITIES_ANNOTATION, CLUSTERSET_DOMAIN, CLUSTERSET_EXPORTED_ANNOTATION,
+    OPAQUE_PORTS_ANNOTATION, TIMEOUT_ANNOTATION, TRANSPARENT_ANNOTATION,
 };
 
 mod build;
@@ -53,6 +53,9 @@ pub struct Snapshot {
     by_addr: HashMap<SocketAddr, Arc<Destination>>,
     /// (namespace, name, port) → destination; headless Services too.
     by_name: HashMap<(String, String, u16), Arc<Destination>>,
+    /// `<svc>.<ns>.svc.clusterset.local`: the ClusterSetIP's derived Service.
+    by_clusterset_name: HashMap<(String, String, u16), Arc<Destination>>,
+    clusterset_dns: HashMap<(String, String), Vec<IpAddr>>,
     /// Pod IP → pod (host-network pods excluded: their IP is the node's).
     pods_by_ip: HashMap<IpAddr, Arc<PodInfo>>,
     /// Node name → its proxy's inbound address.
@@ -184,6 +187,8 @@ impl Snapshot {
         let mut by_addr = HashMap::new();
         let mut by_name = HashMap::new();
         let mut dns = HashMap::new();
+        let mut by_clusterset_name = HashMap::new();
+        let mut clusterset_dns = HashMap::new();
         for svc in services {
             let (Some(ns), Some(name)) = (&svc.metadata.namespace, &svc.metadata.name) else {
                 continue;
@@ -197,9 +202,15 @@ impl Snapshot {
                 .map(Vec::as_slice)
                 .unwrap_or_default();
             let mirror = mirror_info(svc);
+            let clusterset = clusterset_service(svc);
             let opaque = annotation_ports(svc.annotations(), PortsSource::Service);
             let (export_key, export_value) = &config.export_label;
-            let exported = svc.labels().get(export_key) == Some(export_value);
+            let exported = svc.labels().get(export_key) == Some(export_value)
+                || svc
+                    .annotations()
+                    .get(CLUSTERSET_EXPORTED_ANNOTATION)
+                    .map(String::as_str)
+                    == Some("true");
             let allowed_identities = svc
                 .annotations()
                 .get(ALLOWED_IDENTITIES_ANNOTATION)
@@ -238,13 +249,20 @@ impl Snapshot {
                     continue;
                 };
                 let port_name = sp.name.clone().filter(|n| !n.is_empty());
-                let endpoints = ready_endpoints(&ctx, svc_slices, port_name.as_deref(), &mirror);
+                let mut endpoints =
+                    ready_endpoints(&ctx, svc_slices, port_name.as_deref(), &mirror);
+                if let Some((_, affinity)) = &clusterset {
+                    endpoints = with_affinity(endpoints, *affinity);
+                }
+                // A clusterset service's local pods are asked for as the
+                // exported Service of the same name (its policy applies).
+                let fq_service = clusterset.as_ref().map_or(name, |(n, _)| n);
                 let dest = Arc::new(Destination {
                     service: Some(ServiceRef {
                         namespace: ns.clone(),
                         name: name.clone(),
                     }),
-                    fq_name: Some(format!("{name}.{ns}.svc.{}", config.cluster_domain)),
+                    fq_name: Some(format!("{fq_service}.{ns}.svc.{}", config.cluster_domain)),
                     port: ServicePortRef {
                         name: port_name,
                         port,
@@ -259,7 +277,16 @@ impl Snapshot {
                 for ip in &cluster_ips {
                     by_addr.insert(SocketAddr::new(*ip, port), dest.clone());
                 }
+                if let Some((clusterset_name, _)) = &clusterset {
+                    by_clusterset_name
+                        .insert((ns.clone(), clusterset_name.clone(), port), dest.clone());
+                }
                 by_name.insert((ns.clone(), name.clone(), port), dest);
+            }
+            if let Some((clusterset_name, _)) = &clusterset
+                && let Some(addresses) = dns.get(&(ns.clone(), name.clone()))
+            {
+                clusterset_dns.insert((ns.clone(), clusterset_name.clone()), addresses.clone());
             }
         }
         Self {
@@ -268,6 +295,8 @@ impl Snapshot {
             cluster_domain: config.cluster_domain.clone(),
             by_addr,
             by_name,
+            by_clusterset_name,
+            clusterset_dns,
             pods_by_ip,
             node_proxies,
             dns,
@@ -309,6 +338,9 @@ impl Snapshot {
 
     /// `svc.ns`, `svc.ns.svc`, `svc.ns.svc.<cluster domain>` and a Service port.
     pub fn resolve_name(&self, host: &str, port: u16) -> Option<Arc<Destination>> {
+        if let Some((ns, name)) = clusterset_host(host) {
+            return self.by_clusterset_name.get(&(ns, name, port)).cloned();
+        }
         let (ns, name) = parse_service_host(host, &self.cluster_domain)?;
         self.by_name.get(&(ns, name, port)).cloned()
     }
@@ -344,6 +376,9 @@ impl Snapshot {
     /// exists, `None` when it does not. Only the full form
     /// `<name>.<namespace>.svc.<cluster domain>` (any case, optional final dot).
     pub fn dns_lookup(&self, host: &str) -> Option<&[IpAddr]> {
+        if let Some(key) = clusterset_host(host) {
+            return self.clusterset_dns.get(&key).map(Vec::as_slice);
+        }
         let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
         let suffix = format!(".svc.{}", self.cluster_domain.trim_end_matches('.'));
         if !host.ends_with(&suffix.to_ascii_lowercase()) {
@@ -385,3 +420,12 @@ impl Snapshot {
 
 #[cfg(test)]
 mod tests;
+
+/// `<svc>.<ns>.svc.clusterset.local` (any case, optional final dot) → (ns, svc).
+fn clusterset_host(host: &str) -> Option<(String, String)> {
+    let lower = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+    if !lower.ends_with(&format!(".svc.{CLUSTERSET_DOMAIN}")) {
+        return None;
+    }
+    parse_service_host(&lower, CLUSTERSET_DOMAIN)
+}

@@ -79,10 +79,14 @@ pub enum Route {
         proxy: SocketAddr,
         identity: SpiffeId,
     },
-    /// A mirror endpoint: to the remote cluster's gateway, which must present `identity`.
+    /// A remote cluster's gateway, which must present `identity`: a mirror's
+    /// endpoint, or a linked cluster's in a clusterset service (`service`:
+    /// the Service to ask the gateway for, from the slice; a mirror's own
+    /// comes from the mirror Service).
     Gateway {
         gateway: SocketAddr,
         identity: SpiffeId,
+        service: Option<String>,
     },
     /// Not a pod (a hand-written EndpointSlice to an outside address): plain TCP.
     Direct,

@@ -166,7 +166,13 @@ fn trim_meta(meta: &mut ObjectMeta) {
     meta.owner_references = None;
     meta.finalizers = None;
     if let Some(a) = meta.annotations.as_mut() {
-        a.retain(|k, _| k.starts_with(crate::names::PREFIX));
+        // Strait's own (`strait.dev/…` and its subdomains', e.g. the MCS
+        // controller's `multicluster.strait.dev/exported`).
+        a.retain(|k, _| {
+            k.starts_with(crate::names::PREFIX)
+                || k.split_once('/')
+                    .is_some_and(|(p, _)| p.ends_with(".strait.dev"))
+        });
     }
 }
 

@@ -37,6 +37,11 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use strait_mesh::mcs::{LABEL_SERVICE_NAME, ServiceExport, ServiceImport, ServiceImportType};
+use strait_mesh::names::{AFFINITY_ANNOTATION, CLUSTERSET_EXPORTED_ANNOTATION};
+
+/// Field manager of the exported mark on Services: its own, so releasing the
+/// mark never touches a derived Service this controller also applies.
+const MARK_FIELD_MANAGER: &str = "strait-mirror-clusterset";
 use tokio::sync::{Notify, watch};
 
 use crate::probe::GatewayEndpoint;
@@ -46,7 +51,7 @@ use resolve::{EXPORTED_SERVICE_ANNOTATION, Export, ExportedService, Resolved, Va
 /// Field manager of every write (the mirror's own).
 const FIELD_MANAGER: &str = crate::worker::FIELD_MANAGER;
 /// On ServiceImports and derived Services Strait writes; others are never touched.
-pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "strait-mirror");
+pub use strait_mesh::mcs::MANAGED_BY;
 
 /// The linked clusters' ServiceExports, by cluster name, shared by the Link
 /// workers (which fill it) and the MCS controller (which reads it).
@@ -347,7 +352,7 @@ impl Controller {
         for export in self.local.exports.state() {
             let (ns, name) = (export.namespace().unwrap_or_default(), export.name_any());
             let service = self.local.services.get(&ObjectRef::new(&name).within(&ns));
-            let validity = resolve::validate(service.as_deref());
+            let validity = resolve::validate(service.as_deref(), export.annotations());
             if let Validity::Valid(shape) = &validity {
                 exports
                     .entry((ns.clone(), name.clone()))
@@ -364,6 +369,26 @@ impl Controller {
                 tracing::warn!(export = %format!("{ns}/{name}"), "publishing the export: {e}");
             }
             local.push((export, validity));
+        }
+        // The gateway serves a Service to linked clusters only when it is
+        // exported: mark the valid exports' Services, unmark the others.
+        let served: std::collections::BTreeSet<Key> = local
+            .iter()
+            .filter(|(_, v)| matches!(v, Validity::Valid(_)))
+            .map(|(e, _)| (e.namespace().unwrap_or_default(), e.name_any()))
+            .collect();
+        for svc in self.local.services.state() {
+            let key = (svc.namespace().unwrap_or_default(), svc.name_any());
+            let marked = svc
+                .annotations()
+                .get(CLUSTERSET_EXPORTED_ANNOTATION)
+                .map(String::as_str)
+                == Some("true");
+            if marked != served.contains(&key)
+                && let Err(e) = self.mark_exported(&key, !marked).await
+            {
+                tracing::warn!(service = %format!("{}/{}", key.0, key.1), "marking the Service exported: {e}");
+            }
         }
         // 2. Linked clusters' published exports.
         let snap = self.feed.snapshot();
@@ -461,6 +486,24 @@ impl Controller {
                 }
             }
         }
+    }
+
+    /// Sets or removes [`CLUSTERSET_EXPORTED_ANNOTATION`] on a Service (server-side
+    /// apply: removing it releases the field, nothing else of the Service changes).
+    async fn mark_exported(&self, (ns, name): &Key, exported: bool) -> kube::Result<()> {
+        let mut patch = json!({"apiVersion": "v1", "kind": "Service",
+                               "metadata": {"name": name, "namespace": ns}});
+        if exported {
+            patch["metadata"]["annotations"] = json!({ CLUSTERSET_EXPORTED_ANNOTATION: "true" });
+        }
+        Api::<Service>::namespaced(self.client.clone(), ns)
+            .patch(
+                name,
+                &PatchParams::apply(MARK_FIELD_MANAGER).force(),
+                &Patch::Apply(patch),
+            )
+            .await
+            .map(|_| ())
     }
 
     /// Publishes (or withdraws) what a local export exports, when it changed.
@@ -621,6 +664,7 @@ impl Controller {
             })
             .collect();
         let wanted_ports = json!(ports);
+        let affinity = r.service.affinity.unwrap_or_default().as_str();
         let derived_up_to_date = derived_service.as_ref().is_some_and(|svc| {
             let have: Vec<_> = svc
                 .spec
@@ -637,6 +681,7 @@ impl Controller {
                 })
                 .collect();
             json!(have) == wanted_ports
+                && svc.annotations().get(AFFINITY_ANNOTATION).map(String::as_str) == Some(affinity)
         });
         if !derived_up_to_date {
             let owner = json!({
@@ -652,6 +697,7 @@ impl Controller {
                         "apiVersion": "v1", "kind": "Service",
                         "metadata": {"name": derived, "namespace": ns,
                                      "labels": {MANAGED_BY.0: MANAGED_BY.1, LABEL_SERVICE_NAME: name},
+                                     "annotations": {AFFINITY_ANNOTATION: affinity},
                                      "ownerReferences": [owner]},
                         "spec": {"type": "ClusterIP", "ports": wanted_ports},
                     })),

@@ -6,8 +6,10 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Service, SessionAffinityConfig};
+use kube::ResourceExt;
 use serde::{Deserialize, Serialize};
-use strait_mesh::mcs::{ServiceImportType, ServicePort};
+use strait_mesh::mcs::{Affinity, ServiceImportType, ServicePort};
+use strait_mesh::names::AFFINITY_ANNOTATION;
 
 /// What a cluster exports of one Service: published by the exporting
 /// cluster's controller on its ServiceExport (annotation
@@ -26,6 +28,30 @@ pub struct ExportedService {
     pub internal_traffic_policy: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_distribution: Option<String>,
+    /// `strait.dev/affinity` of the export, else of the Service, else
+    /// `local` for `trafficDistribution: PreferClose`; unset: `local`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "affinity_serde"
+    )]
+    pub affinity: Option<Affinity>,
+}
+
+mod affinity_serde {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use strait_mesh::mcs::Affinity;
+
+    pub fn serialize<S: Serializer>(a: &Option<Affinity>, s: S) -> Result<S::Ok, S::Error> {
+        match a {
+            Some(a) => s.serialize_str(a.as_str()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Affinity>, D::Error> {
+        Ok(Option::<String>::deserialize(d)?.and_then(|v| Affinity::parse(&v)))
+    }
 }
 
 /// The annotation on a ServiceExport that carries its [`ExportedService`].
@@ -62,8 +88,12 @@ impl Validity {
     }
 }
 
-/// What a local Service exports, if anything.
-pub fn validate(service: Option<&Service>) -> Validity {
+/// What a local Service exports, if anything (`export_annotations`: the
+/// ServiceExport's, which may set the affinity).
+pub fn validate(
+    service: Option<&Service>,
+    export_annotations: &BTreeMap<String, String>,
+) -> Validity {
     let Some(spec) = service.and_then(|s| s.spec.as_ref()) else {
         return Validity::NoService;
     };
@@ -88,7 +118,17 @@ pub fn validate(service: Option<&Service>) -> Validity {
             port: p.port,
         })
         .collect();
+    let service_annotations = service
+        .map(|s| s.annotations())
+        .cloned()
+        .unwrap_or_default();
+    let affinity = export_annotations
+        .get(AFFINITY_ANNOTATION)
+        .or_else(|| service_annotations.get(AFFINITY_ANNOTATION))
+        .or(spec.traffic_distribution.as_ref())
+        .and_then(|v| Affinity::parse(v));
     Validity::Valid(ExportedService {
+        affinity,
         type_,
         ports,
         session_affinity: spec.session_affinity.clone(),
@@ -286,16 +326,16 @@ mod tests {
 
     #[test]
     fn validity_follows_the_service() {
-        assert_eq!(validate(None), Validity::NoService);
+        assert_eq!(validate(None, &Default::default()), Validity::NoService);
         let ext = service(
             serde_json::json!({"spec": {"type": "ExternalName", "externalName": "example.com"}}),
         );
         assert!(
-            matches!(validate(Some(&ext)), Validity::InvalidServiceType(t) if t == "ExternalName")
+            matches!(validate(Some(&ext), &Default::default()), Validity::InvalidServiceType(t) if t == "ExternalName")
         );
         let headless =
             service(serde_json::json!({"spec": {"clusterIP": "None", "ports": [{"port": 80}]}}));
-        let Validity::Valid(s) = validate(Some(&headless)) else {
+        let Validity::Valid(s) = validate(Some(&headless), &Default::default()) else {
             panic!()
         };
         assert_eq!(s.type_, ServiceImportType::Headless);
@@ -304,13 +344,23 @@ mod tests {
             serde_json::json!({"spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "appProtocol": "http"}],
             "sessionAffinity": "ClientIP", "internalTrafficPolicy": "Cluster", "trafficDistribution": "PreferClose"}}),
         );
-        let Validity::Valid(s) = validate(Some(&web)) else {
+        let Validity::Valid(s) = validate(Some(&web), &Default::default()) else {
             panic!()
         };
         assert_eq!(s.type_, ServiceImportType::ClusterSetIP);
         assert_eq!(s.ports[0].app_protocol.as_deref(), Some("http"));
         assert_eq!(s.session_affinity.as_deref(), Some("ClientIP"));
         assert_eq!(s.traffic_distribution.as_deref(), Some("PreferClose"));
+        assert_eq!(s.affinity, Some(Affinity::Local), "PreferClose");
+        let export = BTreeMap::from([(AFFINITY_ANNOTATION.to_string(), "remote".to_string())]);
+        let Validity::Valid(s) = validate(Some(&web), &export) else {
+            panic!()
+        };
+        assert_eq!(
+            s.affinity,
+            Some(Affinity::Remote),
+            "the export's annotation first"
+        );
         let (status, reason, message) = Validity::NoService.condition("shop", "web");
         assert_eq!((status, reason), ("False", "NoService"));
         assert!(message.contains("shop/web"));

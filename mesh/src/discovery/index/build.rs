@@ -12,8 +12,9 @@ use kube::ResourceExt;
 use super::super::model::{Endpoint, MirrorInfo, PodInfo, PodRef, Route};
 use crate::detect::{OpaquePorts, PortsSource};
 use crate::identity::SpiffeId;
+use crate::mcs::{Affinity, LABEL_SERVICE_NAME, MANAGED_BY as MCS_MANAGED_BY};
 use crate::names::{
-    CLUSTER_NAME_LABEL, Carrier, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL,
+    AFFINITY_ANNOTATION, CLUSTER_NAME_LABEL, Carrier, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL,
     OPAQUE_PORTS_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION,
 };
 
@@ -42,6 +43,7 @@ pub(super) fn ready_endpoints(
             .annotations()
             .get(GATEWAY_IDENTITY_ANNOTATION)
             .map(|id| id.parse::<SpiffeId>());
+        let remote_service = slice.annotations().get(REMOTE_FQ_NAME_ANNOTATION).cloned();
         for ep in slice.endpoints.iter().flatten() {
             // Kubernetes: an unset `ready` means ready.
             if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
@@ -56,6 +58,7 @@ pub(super) fn ready_endpoints(
                     (Some(Ok(identity)), _) => Some(Route::Gateway {
                         gateway: addr,
                         identity: identity.clone(),
+                        service: remote_service.clone(),
                     }),
                     (Some(Err(e)), _) => {
                         tracing::warn!(slice = %slice.name_any(), "gateway identity is not valid: {e}; skipping its endpoints");
@@ -74,6 +77,38 @@ pub(super) fn ready_endpoints(
     out.into_iter()
         .map(|(addr, route)| Endpoint { addr, route })
         .collect()
+}
+
+/// A clusterset service's endpoints as its affinity wants them: local pods
+/// first (`Local`), other clusters' gateways first (`Remote`), or all.
+pub(super) fn with_affinity(endpoints: Vec<Endpoint>, affinity: Affinity) -> Vec<Endpoint> {
+    let remote = |e: &Endpoint| matches!(e.route, Route::Gateway { .. });
+    let preferred = |e: &Endpoint| match affinity {
+        Affinity::Local => !remote(e),
+        Affinity::Remote => remote(e),
+        Affinity::None => true,
+    };
+    if endpoints.iter().any(preferred) {
+        endpoints.into_iter().filter(preferred).collect()
+    } else {
+        endpoints
+    }
+}
+
+/// The clusterset service a Service stands for: the `multicluster.kubernetes.io/service-name`
+/// of a ClusterSetIP's derived Service written by Strait's controller, and its affinity.
+pub(super) fn clusterset_service(svc: &Service) -> Option<(String, Affinity)> {
+    let labels = svc.labels();
+    if labels.get(MCS_MANAGED_BY.0).map(String::as_str) != Some(MCS_MANAGED_BY.1) {
+        return None;
+    }
+    let name = labels.get(LABEL_SERVICE_NAME)?.clone();
+    let affinity = svc
+        .annotations()
+        .get(AFFINITY_ANNOTATION)
+        .and_then(|a| Affinity::parse(a))
+        .unwrap_or_default();
+    Some((name, affinity))
 }
 
 /// Addresses of the ready endpoints of a headless Service, in a stable order.

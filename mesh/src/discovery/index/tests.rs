@@ -271,6 +271,7 @@ fn mirror_services_resolve_to_the_gateway_with_its_identity() {
                 identity: "spiffe://west.strait/ns/strait-system/sa/strait-gateway"
                     .parse()
                     .unwrap(),
+                service: None,
             },
         }]
     );
@@ -288,6 +289,133 @@ fn mirror_services_resolve_to_the_gateway_with_its_identity() {
             .endpoints
             .is_empty()
     );
+}
+
+/// A ClusterSetIP's derived Service (as the MCS controller writes it): the
+/// clusterset name resolves to it, in DNS too; a linked cluster's slice routes
+/// to its gateway asking for the Service the slice names; the affinity picks
+/// which endpoints are offered, falling back to the others when none is ready.
+#[test]
+fn clusterset_services_resolve_by_their_clusterset_name_with_affinity() {
+    let derived = |affinity: &str| {
+        service(
+            "derived-1b2ce43c8d2a78c4",
+            "10.96.0.30",
+            json!({"metadata": {
+                "labels": {"app.kubernetes.io/managed-by": "strait-mirror",
+                           "multicluster.kubernetes.io/service-name": "web"},
+                "annotations": {"strait.dev/affinity": affinity}}}),
+        )
+    };
+    let local = slice(
+        "derived-1b2ce43c8d2a78c4",
+        "derived-1b2ce43c8d2a78c4-east",
+        8080,
+        &[("web-0", "10.244.1.5", "node-a", Some(true))],
+    );
+    let mut remote = (*slice(
+        "derived-1b2ce43c8d2a78c4",
+        "derived-1b2ce43c8d2a78c4-west",
+        4143,
+        &[],
+    ))
+    .clone();
+    remote.endpoints = Some(vec![
+        serde_json::from_value(json!({"addresses": ["172.18.0.3"], "conditions": {"ready": true}}))
+            .unwrap(),
+    ]);
+    remote.metadata.annotations = Some(BTreeMap::from([
+        (
+            GATEWAY_IDENTITY_ANNOTATION.to_string(),
+            "spiffe://west.strait/ns/strait-system/sa/strait-gateway".to_string(),
+        ),
+        (
+            REMOTE_FQ_NAME_ANNOTATION.to_string(),
+            "web.shop.svc.cluster.local".to_string(),
+        ),
+    ]));
+    let remote = Arc::new(remote);
+    let nodes = [node("node-a", "10.0.0.1")];
+    let pods = [pod("web-0", "node-a", "10.244.1.5", "web")];
+    let build = |affinity: &str, slices: &[Arc<EndpointSlice>]| {
+        Snapshot::build(&config(), &[derived(affinity)], slices, &pods, &nodes)
+    };
+    let routes = |snap: &Snapshot| -> Vec<String> {
+        let d = snap
+            .resolve_name("Web.shop.svc.clusterset.local.", 80)
+            .expect("the clusterset name resolves");
+        assert_eq!(d.fq_name.as_deref(), Some("web.shop.svc.cluster.local"));
+        d.endpoints
+            .iter()
+            .map(|e| match &e.route {
+                Route::NodeProxy { pod, .. } => format!("pod {}", pod.name),
+                Route::Gateway { service, .. } => {
+                    format!("gateway for {}", service.clone().unwrap())
+                }
+                Route::Direct => "direct".into(),
+            })
+            .collect()
+    };
+    let both = [local.clone(), remote.clone()];
+    assert_eq!(routes(&build("local", &both)), ["pod web-0"]);
+    assert_eq!(
+        routes(&build("remote", &both)),
+        ["gateway for web.shop.svc.cluster.local"]
+    );
+    assert_eq!(routes(&build("none", &both)).len(), 2);
+    // No local pod ready: local affinity falls back to the other clusters.
+    let unready = slice(
+        "derived-1b2ce43c8d2a78c4",
+        "derived-1b2ce43c8d2a78c4-east",
+        8080,
+        &[("web-0", "10.244.1.5", "node-a", Some(false))],
+    );
+    assert_eq!(
+        routes(&build("local", &[unready, remote.clone()])),
+        ["gateway for web.shop.svc.cluster.local"]
+    );
+    let snap = build("local", &both);
+    assert_eq!(
+        snap.dns_lookup("web.shop.svc.clusterset.local"),
+        Some(&["10.96.0.30".parse().unwrap()][..])
+    );
+    assert!(
+        snap.resolve_name("web.shop.svc.cluster.local", 80)
+            .is_none(),
+        "not a local Service"
+    );
+    assert!(
+        snap.resolve_name("other.shop.svc.clusterset.local", 80)
+            .is_none()
+    );
+}
+
+/// The gateway serves a Service exported by label or by a ServiceExport (the
+/// MCS controller's mark), and nothing else.
+#[test]
+fn services_are_exported_by_label_or_by_the_clusterset_mark() {
+    let exported = |extra: serde_json::Value| {
+        let snap = Snapshot::build(
+            &config(),
+            &[service("web", "10.96.0.10", extra)],
+            &[],
+            &[],
+            &[],
+        );
+        snap.resolve_name("web.shop.svc.cluster.local", 80)
+            .unwrap()
+            .exported
+    };
+    assert!(!exported(json!({})));
+    assert!(exported(
+        json!({"metadata": {"labels": {"strait.dev/exported": "true"}}})
+    ));
+    assert!(exported(
+        json!({"metadata": {"annotations": {"multicluster.strait.dev/exported": "true"}}})
+    ));
+    assert!(!exported(
+        json!({"metadata": {"annotations": {"multicluster.strait.dev/exported": "false"}}})
+    ));
 }
 
 #[test]
