@@ -13,7 +13,9 @@ die() { printf '\033[31m[strait] error:\033[0m %s\n' "$*" >&2; exit 1; }
 # itself, so a fresh machine (or CI's clean clone) needs no manual step.
 APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat proxychains4 shellcheck
   # Real nodes (testenv --real-nodes): container runtime, CNI plugins, kube-proxy's conntrack, the pause image's C build.
-  containerd runc containernetworking-plugins conntrack gcc libc6-dev)
+  containerd runc containernetworking-plugins conntrack gcc libc6-dev
+  # The MCS conformance suite's pod images (testenv/src/images/conformance.rs; socat is above).
+  busybox-static netcat-openbsd bind9-dnsutils)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"

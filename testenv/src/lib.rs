@@ -18,6 +18,7 @@
 //! ```
 
 pub mod cluster;
+pub mod conformance;
 pub mod controlplane;
 pub mod demo;
 pub mod dns;

@@ -19,8 +19,13 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod conformance;
 mod layer;
 
+pub use conformance::{
+    NETSHOOT_IMAGE, SOCAT_IMAGE, conformance_archives, conformance_images,
+    import_conformance_archives,
+};
 pub use layer::Layer;
 use serde_json::json;
 use sha2::{Digest, Sha256};
