@@ -39,6 +39,8 @@ pub enum Error {
 struct WorkerHandle {
     fingerprint: u64,
     stop: watch::Sender<bool>,
+    /// The Link's target cluster name (its clusterset membership).
+    cluster: String,
 }
 
 /// Shared by every reconcile.
@@ -147,6 +149,9 @@ async fn reconcile(link: Arc<Link>, ctx: Arc<Context>) -> Result<Action, Error> 
             }
             Finalizer::Cleanup(link) => {
                 stop_worker(&ctx, &key_of(&link)).await;
+                if let Some((_, feed)) = &ctx.config.clusterset {
+                    feed.leave(&link.spec.target_cluster_name, &key_of(&link));
+                }
                 ctx.config.metrics.forget(&key_of(&link));
                 remove_all_mirrors(&ctx.client, &link.spec.target_cluster_name).await?;
                 tracing::info!(cluster = %link.spec.target_cluster_name, "link deleted: its mirrors are gone");
@@ -189,6 +194,13 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
     }
     if let Some(old) = workers.remove(&key) {
         let _ = old.stop.send(true);
+        // A restart keeps the cluster's exports (the new worker takes its
+        // place); a new name means the old cluster is no longer linked here.
+        if old.cluster != link.spec.target_cluster_name
+            && let Some((_, feed)) = &ctx.config.clusterset
+        {
+            feed.leave(&old.cluster, &key);
+        }
     }
     tracing::info!(link = %key, cluster = %link.spec.target_cluster_name, "starting to mirror");
     let (stop, stop_rx) = watch::channel(false);
@@ -207,7 +219,14 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
         ctx.config.clone(),
         stop_rx,
     ));
-    workers.insert(key, WorkerHandle { fingerprint, stop });
+    workers.insert(
+        key,
+        WorkerHandle {
+            fingerprint,
+            stop,
+            cluster: link.spec.target_cluster_name.clone(),
+        },
+    );
     Ok(())
 }
 

@@ -414,6 +414,53 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
         "an invalid export marks nothing"
     );
 
+    // A broken Link loses nothing: east keeps west's part of web until the
+    // credentials work again.
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(ec.clone(), "strait-multicluster");
+    let good = secrets.get("cluster-credentials-west").await.unwrap();
+    secrets
+        .patch(
+            "cluster-credentials-west",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"kubeconfig": "not a kubeconfig"}})),
+        )
+        .await
+        .unwrap();
+    until("the Link to report its credentials broken", || async {
+        match condition(&links, "west", "CredentialsValid").await {
+            Some((status, _)) if status == "False" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(11)).await; // a periodic pass, at least
+    let web = imports.get("web").await.unwrap();
+    assert_eq!(clusters(&web), ["east", "west"], "west's part is kept");
+    assert!(
+        Api::<EndpointSlice>::namespaced(ec.clone(), "shop")
+            .get_opt(&format!("{derived}-west"))
+            .await
+            .unwrap()
+            .is_some(),
+        "west's slice is kept"
+    );
+    secrets
+        .patch(
+            "cluster-credentials-west",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": good.data})),
+        )
+        .await
+        .unwrap();
+    until("the Link to work again", || async {
+        match condition(&links, "west", "CredentialsValid").await {
+            Some((status, _)) if status == "True" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
     // 6. Unexported everywhere: the imports and their derived Services go.
     for client in [&ec, &wc] {
         Api::<ServiceExport>::namespaced(client.clone(), "shop")

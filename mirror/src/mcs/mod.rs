@@ -77,6 +77,11 @@ impl std::fmt::Debug for ClustersetFeed {
 struct Member {
     link: String,
     remote: RemoteCluster,
+    /// Whether a worker is watching the remote now.
+    attached: bool,
+    /// Which join this is (a restarted worker's old membership must not
+    /// detach the new one).
+    id: u64,
 }
 
 /// What a Link's worker shares about its remote cluster.
@@ -118,12 +123,19 @@ impl JoinError {
 pub struct Membership {
     feed: ClustersetFeed,
     cluster: String,
+    id: u64,
 }
 
 impl Drop for Membership {
+    /// The worker lost the remote (its credentials failed): the cluster's last
+    /// known exports stay, marked detached, so nothing it exported is deleted
+    /// until the Link itself goes ([`ClustersetFeed::leave`]).
     fn drop(&mut self) {
-        if let Ok(mut clusters) = self.feed.clusters.lock() {
-            clusters.remove(&self.cluster);
+        if let Ok(mut clusters) = self.feed.clusters.lock()
+            && let Some(member) = clusters.get_mut(&self.cluster)
+            && member.id == self.id
+        {
+            member.attached = false;
         }
         self.feed.changed.notify_one();
     }
@@ -150,11 +162,15 @@ impl ClustersetFeed {
                 other: other.link.clone(),
             });
         }
+        static JOINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = JOINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         clusters.insert(
             cluster.to_string(),
             Member {
                 link: link.to_string(),
                 remote,
+                attached: true,
+                id,
             },
         );
         drop(clusters);
@@ -162,7 +178,19 @@ impl ClustersetFeed {
         Ok(Membership {
             feed: self.clone(),
             cluster: cluster.to_string(),
+            id,
         })
+    }
+
+    /// Removes `cluster` as linked by `link` (the Link was deleted, or now
+    /// names another cluster): its exports stop counting.
+    pub fn leave(&self, cluster: &str, link: &str) {
+        if let Ok(mut clusters) = self.clusters.lock()
+            && clusters.get(cluster).is_some_and(|m| m.link == link)
+        {
+            clusters.remove(cluster);
+        }
+        self.changed.notify_one();
     }
 
     /// Wakes the controller (a remote store changed).
@@ -181,7 +209,7 @@ impl ClustersetFeed {
         for (cluster, member) in clusters.iter() {
             let r = &member.remote;
             // A store that never listed is empty: it must not read as "exports nothing".
-            if !store_ready(&r.exports) {
+            if !member.attached || !store_ready(&r.exports) {
                 snap.all_listed = false;
             }
             for export in r.exports.state() {
