@@ -120,7 +120,7 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         "the mirror's endpoint is the gateway's NodePort {gateway}:{GATEWAY_NODE_PORT}:\n{out}"
     );
     assert!(
-        out.contains("Link west: CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
+        out.contains("Link west: ClustersetMember=True CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
         "{out}"
     );
 
