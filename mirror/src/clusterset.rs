@@ -17,11 +17,13 @@ pub enum ClusterNameError {
 }
 
 /// Makes sure the ClusterProperty naming this cluster exists and says `name`;
-/// API errors are retried with backoff (a cluster without the ClusterProperty
-/// API is logged and left alone: the MCS CRDs are not installed).
+/// API errors, and a missing ClusterProperty API, are retried with backoff
+/// (run it in the background: it returns only once published, or on a
+/// contradiction).
 pub async fn ensure_cluster_name(client: &Client, name: &str) -> Result<(), ClusterNameError> {
     let api: Api<ClusterProperty> = Api::all(client.clone());
     let mut backoff = Duration::from_millis(500);
+    let mut missing_api_logged = false;
     loop {
         let attempt = async {
             match api.get_opt(CLUSTER_ID_PROPERTY).await? {
@@ -51,11 +53,17 @@ pub async fn ensure_cluster_name(client: &Client, name: &str) -> Result<(), Clus
                 });
             }
             Ok(_) => return Ok(()),
+            // No ClusterProperty API (yet: a CRD applied with the controller may
+            // not be established): said once, retried.
             Err(kube::Error::Api(e)) if e.code == 404 => {
-                tracing::warn!(
-                    "no ClusterProperty API (about.k8s.io): this cluster's name is not published; install the MCS CRDs (deploy/mcs/crds.yaml, part of `strait install`)"
-                );
-                return Ok(());
+                if !missing_api_logged {
+                    tracing::warn!(
+                        "no ClusterProperty API (about.k8s.io): this cluster's name is not published until it exists; install the MCS CRDs (deploy/mcs/crds.yaml, part of `strait install`)"
+                    );
+                    missing_api_logged = true;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(30));
             }
             // Created by someone else between the read and the write: read again.
             Err(kube::Error::Api(e)) if e.code == 409 => {}

@@ -100,8 +100,16 @@ async fn main() -> anyhow::Result<()> {
         Some(w)
     };
     let client = kube::Client::try_default().await?;
-    if let Some(name) = &args.cluster_name {
-        strait_mirror::clusterset::ensure_cluster_name(&client, name).await?;
+    if let Some(name) = args.cluster_name.clone() {
+        // In the background: the MCS CRDs may arrive after the controller.
+        let client = client.clone();
+        tokio::spawn(async move {
+            if let Err(e) = strait_mirror::clusterset::ensure_cluster_name(&client, &name).await {
+                tracing::error!("{e}");
+                eprintln!("Error: {e}");
+                std::process::exit(1);
+            }
+        });
     }
     let identity = workload
         .as_ref()

@@ -534,17 +534,12 @@ async fn the_cluster_name_is_published_once_and_never_contradicted() {
     let cluster = Cluster::start("clusterprop").await.unwrap();
     let client = cluster.client();
     install_crd(&client).await;
-    Api::<CustomResourceDefinition>::all(client.clone())
-        .patch(
-            "clusterproperties.about.k8s.io",
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(ClusterProperty::crd()),
-        )
-        .await
-        .unwrap();
     let kubeconfig = cluster.kubeconfig_path().display().to_string();
 
+    // Started before the ClusterProperty API exists: it waits for it.
     let mut east = mirror(&kubeconfig, "east").spawn().unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    install_mcs_crds(&client).await;
     let properties: Api<ClusterProperty> = Api::all(client.clone());
     eventually("the ClusterProperty to say east", WAIT, || async {
         match properties.get_opt(CLUSTER_ID_PROPERTY).await {
