@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
@@ -21,35 +20,18 @@ use strait_testenv::Cluster;
 use strait_testenv::wait::eventually;
 use strait_testenv::workloads::{TestPod, create_node, create_ready_pod, ensure_namespace};
 
-use common::{WAIT, admin_kubeconfig, condition, from_json, install_crd, link, link_with};
+use common::{
+    WAIT, admin_kubeconfig, apply_crd, condition, from_json, install_crd, link, link_with,
+};
 
 /// The MCS CRDs, as `strait install` applies them.
 async fn install_mcs_crds(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in [
         ServiceExport::crd(),
         ServiceImport::crd(),
         ClusterProperty::crd(),
     ] {
-        let name = crd.metadata.name.clone().unwrap();
-        crds.patch(
-            &name,
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(crd),
-        )
-        .await
-        .unwrap();
-        eventually("the MCS CRDs to be established", WAIT, || async {
-            let crd = crds.get(&name).await.map_err(|e| e.to_string())?;
-            let ok = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            ok.then_some(()).ok_or("not established".to_string())
-        })
-        .await;
+        apply_crd(client, crd).await;
     }
 }
 

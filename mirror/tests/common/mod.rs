@@ -21,31 +21,38 @@ pub fn from_json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
 }
 
 pub async fn install_crd(client: &Client) {
+    apply_crd(client, Link::crd()).await;
+}
+
+/// Applies `crd` and waits until the API server serves it (Established).
+pub async fn apply_crd(client: &Client, crd: CustomResourceDefinition) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = crd.metadata.name.clone().expect("a named CRD");
     crds.patch(
-        "links.multicluster.strait.dev",
+        &name,
         &PatchParams::apply("test").force(),
-        &Patch::Apply(Link::crd()),
+        &Patch::Apply(crd),
     )
     .await
-    .expect("install the Link CRD");
-    eventually("the Link CRD to be established", WAIT, || async {
-        let crd = crds
-            .get("links.multicluster.strait.dev")
-            .await
-            .map_err(|e| e.to_string())?;
-        let established = crd
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        if established {
-            Ok(())
-        } else {
-            Err("not established".into())
-        }
-    })
+    .unwrap_or_else(|e| panic!("install the CRD {name}: {e}"));
+    eventually(
+        &format!("the CRD {name} to be established"),
+        WAIT,
+        || async {
+            let crd = crds.get(&name).await.map_err(|e| e.to_string())?;
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            if established {
+                Ok(())
+            } else {
+                Err("not established".into())
+            }
+        },
+    )
     .await;
 }
 
