@@ -142,13 +142,57 @@ pub fn wait_installed(kubeconfig: &Path) -> anyhow::Result<()> {
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "{workload} not rolled out within 180s: {}",
-                    String::from_utf8_lossy(&out.stderr)
+                    "{workload} not rolled out within 180s: {}\n{}",
+                    String::from_utf8_lossy(&out.stderr),
+                    diagnose(kubeconfig, namespace)
                 );
             }
         }
     }
     Ok(())
+}
+
+/// What an operator looks at when a rollout hangs: the namespace's pods,
+/// its recent events, and the last log lines of every pod not Ready.
+pub fn diagnose(kubeconfig: &Path, namespace: &str) -> String {
+    let text = |args: &[&str]| {
+        let out = kubectl_output(kubeconfig, args, None);
+        format!(
+            "$ kubectl {}\n{}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let mut report = text(&["get", "pods", "-n", namespace, "-o", "wide"]);
+    report += &text(&["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"]);
+    let not_ready = kubectl_output(
+        kubeconfig,
+        &[
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}",
+        ],
+        None,
+    );
+    for line in String::from_utf8_lossy(&not_ready.stdout).lines() {
+        if let Some((pod, ready)) = line.split_once(' ')
+            && ready != "True"
+        {
+            report += &text(&[
+                "logs",
+                "-n",
+                namespace,
+                pod,
+                "--all-containers",
+                "--tail=40",
+            ]);
+        }
+    }
+    report
 }
 
 /// An image some pod waits for in vain (ErrImagePull, ImagePullBackOff, …).
