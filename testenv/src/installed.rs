@@ -22,10 +22,11 @@ pub const GATEWAY_NODE_PORT: u16 = 30143;
 /// Port of the API endpoint on a LAN router.
 pub const API_ENDPOINT_PORT: u16 = 6443;
 
-/// Two clusters, east and west, with Strait installed and east linked to west.
-/// Fields drop in order: the API endpoint and WAN before the clusters.
+/// Two clusters, east and west, with Strait installed and east linked to west
+/// (and west to east with [`MeshOptions::link_both_ways`]).
+/// Fields drop in order: the API endpoints and WAN before the clusters.
 pub struct InstalledMesh {
-    api_endpoint: RouterForward,
+    api_endpoints: Vec<RouterForward>,
     pub wan: Wan,
     pub east: ClusterTopology,
     pub west: ClusterTopology,
@@ -260,36 +261,55 @@ pub async fn start_clusters(
     )?)
 }
 
-/// What west shows the WAN: its gateway's NodePort on its first node (whose
-/// address is returned), and its API server behind the LAN router (the
-/// returned forward must live as long as the link).
-pub fn expose_west(wan: &Wan, west: &ClusterTopology) -> anyhow::Result<(Ipv4Addr, RouterForward)> {
-    let gateway_node = west.node(0)?.clone();
+/// What a linked cluster (west, or east when linked both ways) shows the
+/// WAN: its gateway's NodePort on its first node (whose address is
+/// returned), and its API server behind the LAN router (the returned forward
+/// must live as long as the link).
+pub fn expose(wan: &Wan, target: &ClusterTopology) -> anyhow::Result<(Ipv4Addr, RouterForward)> {
+    let gateway_node = target.node(0)?.clone();
     wan.expose_node(&gateway_node, &[GATEWAY_NODE_PORT])?;
-    let api = west
+    let api = target
         .cluster()
         .server_url()
         .trim_start_matches("https://")
         .parse::<SocketAddr>()
-        .context("west's API server address")?;
-    let api_endpoint = west.network().forward_from_router(API_ENDPOINT_PORT, api)?;
-    wan.expose_router(west.network(), &[API_ENDPOINT_PORT])?;
+        .with_context(|| format!("{}'s API server address", target.cluster().name()))?;
+    let api_endpoint = target
+        .network()
+        .forward_from_router(API_ENDPOINT_PORT, api)?;
+    wan.expose_router(target.network(), &[API_ENDPOINT_PORT])?;
     Ok((gateway_node.ip(), api_endpoint))
 }
 
-/// The arguments of `strait link` for west as east reaches it across the WAN.
-pub fn link_args(west: &ClusterTopology, gateway: Ipv4Addr) -> Vec<String> {
+/// The arguments of `strait link` for `target` as the other cluster reaches
+/// it across the WAN (its kubeconfig's context is named after it).
+pub fn link_args(target: &ClusterTopology, gateway: Ipv4Addr) -> Vec<String> {
+    let name = target.cluster().name();
     vec![
         "link".into(),
         "--context".into(),
-        "west".into(),
+        name.into(),
         "--cluster-name".into(),
-        "west".into(),
+        name.into(),
         "--api-server-address".into(),
-        format!("https://{}:{API_ENDPOINT_PORT}", west.network().router_ip()),
+        format!(
+            "https://{}:{API_ENDPOINT_PORT}",
+            target.network().router_ip()
+        ),
         "--gateway-addresses".into(),
         gateway.to_string(),
     ]
+}
+
+/// What an [`InstalledMesh`] has beyond Strait and east linked to west.
+#[derive(Clone, Debug, Default)]
+pub struct MeshOptions {
+    /// Image archives every node imports besides the node's and Strait's
+    /// (e.g. [`images::conformance_archives`]).
+    pub extra_images: Vec<PathBuf>,
+    /// West linked to east too: both clusters see each other's exports, as
+    /// in a clusterset.
+    pub link_both_ways: bool,
 }
 
 impl InstalledMesh {
@@ -297,8 +317,19 @@ impl InstalledMesh {
     /// starts both clusters with `nodes` real nodes each, installs Strait in
     /// both with the `strait` CLI at `strait`, and links east to west.
     pub async fn start(strait: &Path, bin_dir: &Path, nodes: usize) -> anyhow::Result<Self> {
+        Self::start_with(strait, bin_dir, nodes, MeshOptions::default()).await
+    }
+
+    /// [`InstalledMesh::start`] with more images or links.
+    pub async fn start_with(
+        strait: &Path,
+        bin_dir: &Path,
+        nodes: usize,
+        options: MeshOptions,
+    ) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let archives = build_images(bin_dir).await?;
+        let mut archives = build_images(bin_dir).await?;
+        archives.extend(options.extra_images);
         let (east, west) = start_clusters(&archives, nodes).await?;
         let wan = Wan::connect(&[east.network(), west.network()])?;
         tracing::info!(elapsed = ?started.elapsed(), "real-node clusters up");
@@ -351,18 +382,31 @@ impl InstalledMesh {
         }
         tracing::info!(elapsed = ?started.elapsed(), "Strait installed in east and west");
 
-        let (gateway, api_endpoint) = expose_west(&wan, &west)?;
-        let mut args = link_args(&west, gateway);
-        args.extend([
-            "--kubeconfig".into(),
-            west.cluster().kubeconfig_path().display().to_string(),
-        ]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let link = run_strait(strait, &args)?;
-        apply(&east.cluster().kubeconfig_path(), &link)?;
-        tracing::info!(elapsed = ?started.elapsed(), "east linked to west");
+        let mut api_endpoints = Vec::new();
+        let mut pairs = vec![(&east, &west)];
+        if options.link_both_ways {
+            pairs.push((&west, &east));
+        }
+        for (from, to) in pairs {
+            let (gateway, api_endpoint) = expose(&wan, to)?;
+            api_endpoints.push(api_endpoint);
+            let mut args = link_args(to, gateway);
+            args.extend([
+                "--kubeconfig".into(),
+                to.cluster().kubeconfig_path().display().to_string(),
+            ]);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let link = run_strait(strait, &args)?;
+            apply(&from.cluster().kubeconfig_path(), &link)?;
+            tracing::info!(
+                elapsed = ?started.elapsed(),
+                "{} linked to {}",
+                from.cluster().name(),
+                to.cluster().name()
+            );
+        }
         Ok(Self {
-            api_endpoint,
+            api_endpoints,
             wan,
             east,
             west,
@@ -389,9 +433,21 @@ impl InstalledMesh {
         ))
     }
 
-    /// Whether west's API endpoint still forwards (it stops with the mesh).
+    /// Whether the linked clusters' API endpoints still forward (they stop
+    /// with the mesh).
     pub fn api_endpoint_running(&self) -> bool {
-        !self.api_endpoint.is_finished()
+        self.api_endpoints.iter().all(|e| !e.is_finished())
+    }
+
+    /// One kubeconfig file at `path` with both clusters' admin contexts
+    /// (`east`, `west`), for tools that take several contexts of one file.
+    pub fn write_kubeconfig(&self, path: &Path) -> anyhow::Result<()> {
+        let merged = crate::kubeconfig::merge([
+            self.east.cluster().kubeconfig().clone(),
+            self.west.cluster().kubeconfig().clone(),
+        ]);
+        std::fs::write(path, crate::kubeconfig::to_yaml(&merged)?)
+            .with_context(|| format!("write {}", path.display()))
     }
 }
 

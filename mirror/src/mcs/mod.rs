@@ -589,6 +589,8 @@ impl Controller {
                     spec.ip_families.unwrap_or_default(),
                 )
             }
+            // Headless: no IP, but the families its endpoints may have.
+            (ServiceImportType::Headless, _) => (Vec::new(), r.service.ip_families.clone()),
             _ => (Vec::new(), Vec::new()),
         };
         let mut labels: BTreeMap<String, String> = r.labels.clone();
@@ -621,6 +623,8 @@ impl Controller {
         );
         if !ips.is_empty() {
             spec["ips"] = json!(ips);
+        }
+        if !families.is_empty() {
             spec["ipFamilies"] = json!(families);
         }
         let desired = json!({

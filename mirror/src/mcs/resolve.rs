@@ -28,6 +28,10 @@ pub struct ExportedService {
     pub internal_traffic_policy: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_distribution: Option<String>,
+    /// The Service's IP families (a headless ServiceImport lists them; a
+    /// ClusterSetIP one takes its derived Service's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ip_families: Vec<String>,
     /// `strait.dev/affinity` of the export, else of the Service, else
     /// `local` for `trafficDistribution: PreferClose`; unset: `local`.
     #[serde(
@@ -135,6 +139,7 @@ pub fn validate(
         session_affinity_config: spec.session_affinity_config.clone(),
         internal_traffic_policy: spec.internal_traffic_policy.clone(),
         traffic_distribution: spec.traffic_distribution.clone(),
+        ip_families: spec.ip_families.clone().unwrap_or_default(),
     })
 }
 
@@ -231,6 +236,11 @@ pub fn resolve(exports: &[Export]) -> Option<Resolved> {
                 ),
                 &mut out,
             );
+        }
+        for family in &s.ip_families {
+            if !out.service.ip_families.contains(family) {
+                out.service.ip_families.push(family.clone());
+            }
         }
         for p in &s.ports {
             match ports.iter().find(|q| q.name == p.name) {

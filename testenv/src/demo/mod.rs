@@ -305,7 +305,7 @@ impl Demo {
             "WAN: the clusters' LANs joined by a router that forwards only to west's gateway NodePort and API endpoint",
         );
         let wan = Wan::connect(&[self.east().network(), self.west().network()])?;
-        let (gateway_ip, api_endpoint) = installed::expose_west(&wan, self.west())?;
+        let (gateway_ip, api_endpoint) = installed::expose(&wan, self.west())?;
         self.wan = Some(wan);
         self.api_endpoint = Some(api_endpoint);
         let gateway_pod = self.gateway_pod().await?;

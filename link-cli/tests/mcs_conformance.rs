@@ -1,0 +1,100 @@
+//! SIG-Multicluster's MCS API conformance suite (vendored unchanged in
+//! `third_party/mcs-api-conformance`) against Strait as a user installs it:
+//! two real-node clusters, `strait install | kubectl apply` in each, linked
+//! both ways across a WAN (so each cluster's mirror controller sees the
+//! other's ServiceExports), the suite's images imported into every node.
+//!
+//! Every spec labelled Required must pass; the Optional ones run after and
+//! are reported (which pass, which fail and why), not asserted: see
+//! ARCHITECTURE.md for why some cannot pass through gateways. Both of the
+//! suite's own summaries go to the log. Needs root (real nodes); ~10 min.
+
+use std::path::Path;
+use std::time::Instant;
+
+use strait_testenv::conformance::{self, RunOptions, SpecState, Summary};
+use strait_testenv::images::conformance_archives;
+use strait_testenv::installed::{InstalledMesh, MeshOptions};
+use strait_testenv::net::root_or_skip;
+
+fn options(kubeconfig: &Path, label_filter: &str, report_dir: &Path) -> RunOptions {
+    RunOptions {
+        project: Some("Strait".into()),
+        version: Some(env!("CARGO_PKG_VERSION").into()),
+        ..RunOptions::new(kubeconfig, &["east", "west"], label_filter, report_dir)
+    }
+}
+
+/// The counts, one greppable line each ([`conformance::run_with`] has
+/// already printed the whole summary).
+fn report(summary: &Summary) {
+    for state in [SpecState::Passed, SpecState::Failed, SpecState::Skipped] {
+        eprintln!(
+            "MEASURED MCS conformance {:?}: {} {state}",
+            summary.label_filter,
+            summary.in_state(state).count()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strait_passes_the_required_mcs_conformance_specs() {
+    if !root_or_skip("strait_passes_the_required_mcs_conformance_specs") {
+        return;
+    }
+    let strait = Path::new(env!("CARGO_BIN_EXE_strait"));
+    let started = Instant::now();
+    let (suite, images) = tokio::task::spawn_blocking(|| {
+        (
+            conformance::ensure_built().expect("the conformance suite builds"),
+            conformance_archives().expect("the conformance suite's images build"),
+        )
+    })
+    .await
+    .unwrap();
+    let mesh = InstalledMesh::start_with(
+        strait,
+        strait.parent().unwrap(),
+        2,
+        MeshOptions {
+            extra_images: images,
+            link_both_ways: true,
+        },
+    )
+    .await
+    .expect("Strait installed in two real-node clusters, linked both ways");
+    eprintln!(
+        "MEASURED suite built, two real-node clusters up, Strait installed and linked both ways: {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let work = tempfile::tempdir().unwrap();
+    let kubeconfig = work.path().join("kubeconfig");
+    mesh.write_kubeconfig(&kubeconfig).unwrap();
+
+    let run = |filter: &'static str| {
+        let suite = suite.clone();
+        let options = options(&kubeconfig, filter, &work.path().join(filter));
+        tokio::task::spawn_blocking(move || {
+            conformance::run_with(&suite, &options).expect("the conformance suite runs")
+        })
+    };
+    let required = run("Required").await.unwrap();
+    report(&required);
+    let optional = run("Optional").await.unwrap();
+    report(&optional);
+
+    let not_passed: Vec<String> = required
+        .specs
+        .iter()
+        .filter(|s| s.state != SpecState::Passed)
+        .map(|s| format!("{} {}: {}", s.state, s.name, s.reason().unwrap_or("")))
+        .collect();
+    assert!(
+        required.succeeded && not_passed.is_empty() && !required.specs.is_empty(),
+        "every Required spec must pass (a skipped one does not count); not passed: {not_passed:#?}"
+    );
+    assert!(
+        mesh.api_endpoint_running(),
+        "the linked API endpoints stopped"
+    );
+}
