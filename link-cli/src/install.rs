@@ -27,6 +27,8 @@ use crate::identity::Format;
 use crate::link::{LINK_NAMESPACE, READER_ROLE, client_for, load_kubeconfig};
 
 const MCS_CRDS: &str = "mcs/crds.yaml";
+const COREDNS_RBAC: &str = "mirror/coredns.yaml";
+const MANIFESTS_COREDNS: &str = include_str!("../../deploy/mirror/coredns.yaml");
 
 /// Every manifest `install` renders, in deploy/ order. A test checks that
 /// every object under deploy/ (except patches) is among them.
@@ -54,6 +56,7 @@ const MANIFESTS: &[(&str, &str)] = &[
         "mirror/rbac.yaml",
         include_str!("../../deploy/mirror/rbac.yaml"),
     ),
+    (COREDNS_RBAC, MANIFESTS_COREDNS),
     (
         "mirror/controller.yaml",
         include_str!("../../deploy/mirror/controller.yaml"),
@@ -157,6 +160,13 @@ pub struct InstallArgs {
     /// (deploy/proxy/transparent/daemonset-patch.yaml).
     #[arg(long)]
     pub transparent: bool,
+    /// CoreDNS's ConfigMap (`namespace/name`; its ServiceAccount has the same
+    /// name): the mirror controller keeps `clusterset.local` in its Corefile, so
+    /// every pod resolves clusterset names (CoreDNS 1.12.2+). Empty: leave
+    /// cluster DNS alone (then only Strait's node proxies answer those names,
+    /// to transparent pods).
+    #[arg(long, default_value = "kube-system/coredns")]
+    pub coredns_configmap: String,
     #[arg(short, long, value_enum, default_value = "yaml")]
     pub output: Format,
 }
@@ -398,8 +408,47 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
+/// The CoreDNS objects (deploy/mirror/coredns.yaml) pointed at `namespace/name`.
+fn point_at_coredns(objects: &mut Vec<Value>, configmap: &str) -> anyhow::Result<()> {
+    let coredns_keys: Vec<_> =
+        manifest_objects_of([&(COREDNS_RBAC, MANIFESTS_COREDNS)].into_iter())?
+            .iter()
+            .map(key)
+            .collect();
+    if configmap.is_empty() {
+        objects.retain(|o| !coredns_keys.contains(&key(o)));
+        return Ok(());
+    }
+    let Some((ns, name)) = configmap
+        .split_once('/')
+        .filter(|(ns, name)| !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+    else {
+        bail!(
+            "--coredns-configmap {configmap:?} is not namespace/name (kubeadm's and kind's: kube-system/coredns; \"\" to leave cluster DNS alone)"
+        );
+    };
+    for o in objects
+        .iter_mut()
+        .filter(|o| coredns_keys.contains(&key(o)))
+    {
+        match o["kind"].as_str() {
+            Some("Role") => {
+                o["metadata"]["namespace"] = json!(ns);
+                o["rules"][0]["resourceNames"] = json!([name]);
+            }
+            Some("RoleBinding") => o["metadata"]["namespace"] = json!(ns),
+            Some("ClusterRoleBinding") => {
+                o["subjects"] = json!([{"kind": "ServiceAccount", "name": name, "namespace": ns}]);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>> {
     let mut objects = manifest_objects()?;
+    point_at_coredns(&mut objects, &args.coredns_configmap)?;
     if args.transparent {
         use serde::Deserialize as _;
         let patch = Value::deserialize(serde_yaml::Deserializer::from_str(TRANSPARENT_PATCH))
@@ -435,6 +484,7 @@ fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>
                 set_arg(c, "--cluster-name", &id.cluster);
                 set_arg(c, "--trust-domain", &id.trust_domain);
                 set_arg(c, "--cluster-domain", &args.cluster_domain);
+                set_arg(c, "--coredns-configmap", &args.coredns_configmap);
             }
         }
         if kind == "Service" && o["metadata"]["name"] == GATEWAY_SERVICE {
@@ -545,6 +595,9 @@ pub async fn uninstall(args: UninstallArgs) -> anyhow::Result<String> {
     let mut objects = manifest_objects_of(MANIFESTS.iter().filter(|(path, _)| *path != MCS_CRDS))?;
     eprintln!(
         "note: the Multi-Cluster Services CRDs (ServiceExport, ServiceImport, ClusterProperty) are kept; remove them with `kubectl delete -f deploy/mcs/crds.yaml` once nothing uses them"
+    );
+    eprintln!(
+        "note: CoreDNS's Corefile keeps the clusterset.local zone (`multicluster clusterset.local` in its kubernetes plugin); it answers only while ServiceImports exist, and may be removed by hand"
     );
     for ns in [SYSTEM_NAMESPACE, LINK_NAMESPACE] {
         objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": TRUST_ANCHORS_CONFIGMAP, "namespace": ns}}));

@@ -1,8 +1,11 @@
 //! The Kubernetes Multi-Cluster Services API (KEP-1645, `multicluster.x-k8s.io`)
 //! and the cluster's name (KEP-2149, `about.k8s.io` `ClusterProperty`), as
 //! Strait's own Rust types. The CRDs Strait installs are generated from these
-//! (`strait-mirror crd`), serving `v1beta1`, the version sigs.k8s.io/mcs-api
-//! v0.5 stores and its conformance suite speaks.
+//! (`strait-mirror crd`, [`crds`]), storing `v1beta1`, the version
+//! sigs.k8s.io/mcs-api v0.5 stores and its conformance suite speaks, and
+//! serving the same schema as `v1alpha1` too: CoreDNS's `multicluster` option
+//! (1.12.2 and later) still reads ServiceImports as `v1alpha1`, whose fields
+//! Strait's are.
 
 use std::collections::BTreeMap;
 
@@ -180,6 +183,24 @@ pub struct ClusterPropertySpec {
     pub value: String,
 }
 
+/// The CRDs of the MCS API and of ClusterProperty, as installed: ServiceExport
+/// and ServiceImport store `v1beta1` and also serve it as `v1alpha1` (same
+/// schema, no conversion: the API server only rewrites `apiVersion`).
+pub fn crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    use kube::CustomResourceExt;
+    let mut mcs = [ServiceExport::crd(), ServiceImport::crd()];
+    for crd in &mut mcs {
+        let mut alpha = crd.spec.versions[0].clone();
+        alpha.name = "v1alpha1".into();
+        alpha.storage = false;
+        crd.spec.versions.push(alpha);
+    }
+    let [export, import] = mcs;
+    vec![export, import, ClusterProperty::crd()]
+}
+
 /// Which clusters serve a clusterset service's callers (`strait.dev/affinity`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Affinity {
@@ -249,6 +270,26 @@ mod tests {
             let json = serde_json::to_string(&crd).unwrap();
             assert!(!json.contains("\"format\":\"uint"), "{json}");
         }
+    }
+
+    #[test]
+    fn the_installed_crds_store_v1beta1_and_serve_v1alpha1_too() {
+        let crds = crds();
+        assert_eq!(crds.len(), 3);
+        for crd in &crds[..2] {
+            let versions: Vec<_> = crd
+                .spec
+                .versions
+                .iter()
+                .map(|v| (v.name.as_str(), v.served, v.storage))
+                .collect();
+            assert_eq!(
+                versions,
+                [("v1beta1", true, true), ("v1alpha1", true, false)]
+            );
+            assert_eq!(crd.spec.versions[0].schema, crd.spec.versions[1].schema);
+        }
+        assert_eq!(crds[2], ClusterProperty::crd());
     }
 
     #[test]

@@ -35,6 +35,15 @@ pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
 
 /// On a mirror: the remote Service's FQDN.
 pub const REMOTE_FQ_NAME_ANNOTATION: &str = "strait.dev/remote-svc-fq-name";
+/// On a clusterset service's slice for a linked cluster, in place of
+/// `kubernetes.io/service-name`: the derived Service it belongs to. Node
+/// proxies read it (and tunnel to the gateway over mTLS); kube-proxy does not,
+/// so a caller outside the mesh reaches only this cluster's pods at the
+/// ClusterSetIP, never a gateway it cannot speak to.
+pub const CLUSTERSET_SLICE_SERVICE_LABEL: &str = "multicluster.strait.dev/derived-service";
+/// On a clusterset service's slice for a linked cluster: how many ready
+/// endpoints the service has there (the node proxy weighs that cluster by it).
+pub const READY_ENDPOINTS_ANNOTATION: &str = "multicluster.strait.dev/ready-endpoints";
 /// On mirror EndpointSlices: the gateway's identity.
 pub const GATEWAY_IDENTITY_ANNOTATION: &str = "strait.dev/gateway-identity";
 /// Service annotation: who may call it from linked clusters through the

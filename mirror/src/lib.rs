@@ -9,6 +9,7 @@
 pub mod clusterset;
 pub mod config;
 pub mod controller;
+pub mod coredns;
 pub mod heartbeat;
 pub mod latency;
 pub mod mcs;

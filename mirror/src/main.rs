@@ -44,6 +44,11 @@ struct Args {
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
+    /// CoreDNS's ConfigMap (`namespace/name`) whose Corefile should serve
+    /// `clusterset.local` from ServiceImports (CoreDNS 1.12.2+ `multicluster`);
+    /// kept so by this controller. Empty: leave cluster DNS alone.
+    #[arg(long, env = "STRAIT_COREDNS_CONFIGMAP", default_value = "")]
+    coredns_configmap: String,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -53,7 +58,8 @@ enum Command {
     /// Print the Link CustomResourceDefinition (YAML) and exit: `strait-mirror crd | kubectl apply -f -`.
     Crd {
         /// Print the Multi-Cluster Services CRDs instead: ServiceExport and
-        /// ServiceImport (`multicluster.x-k8s.io/v1beta1`) and ClusterProperty
+        /// ServiceImport (`multicluster.x-k8s.io/v1beta1`, served as `v1alpha1`
+        /// too) and ClusterProperty
         /// (`about.k8s.io/v1alpha1`).
         #[arg(long)]
         mcs: bool,
@@ -65,12 +71,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(Command::Crd { mcs }) = args.command {
         if mcs {
-            use strait_mesh::mcs::{ClusterProperty, ServiceExport, ServiceImport};
-            for crd in [
-                ServiceExport::crd(),
-                ServiceImport::crd(),
-                ClusterProperty::crd(),
-            ] {
+            for crd in strait_mesh::mcs::crds() {
                 print!("---\n{}", serde_yaml::to_string(&crd)?);
             }
         } else {
@@ -100,6 +101,20 @@ async fn main() -> anyhow::Result<()> {
         Some(w)
     };
     let client = kube::Client::try_default().await?;
+    if !args.coredns_configmap.is_empty() {
+        let Some((ns, name)) = args.coredns_configmap.split_once('/') else {
+            anyhow::bail!(
+                "--coredns-configmap {:?} is not namespace/name (kubeadm's and kind's: kube-system/coredns)",
+                args.coredns_configmap
+            );
+        };
+        tokio::spawn(strait_mirror::coredns::keep_configured(
+            client.clone(),
+            ns.to_string(),
+            name.to_string(),
+            strait_mesh::names::CLUSTERSET_DOMAIN.to_string(),
+        ));
+    }
     if let Some(name) = args.cluster_name.clone() {
         // In the background: the MCS CRDs may arrive after the controller.
         let client = client.clone();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client, CustomResourceExt, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::Link;
 use strait_mesh::mcs::{
@@ -26,11 +26,7 @@ use common::{
 
 /// The MCS CRDs, as `strait install` applies them.
 async fn install_mcs_crds(client: &Client) {
-    for crd in [
-        ServiceExport::crd(),
-        ServiceImport::crd(),
-        ClusterProperty::crd(),
-    ] {
+    for crd in strait_mesh::mcs::crds() {
         apply_crd(client, crd).await;
     }
 }
@@ -236,7 +232,12 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
     };
     let s = until("west's slice in east", || remote_slice(&ec)).await;
     let labels = s.labels();
-    assert_eq!(labels["kubernetes.io/service-name"], derived);
+    // Named for node proxies only: kube-proxy never sends plain TCP to a gateway.
+    assert_eq!(labels["multicluster.strait.dev/derived-service"], derived);
+    assert!(
+        !labels.contains_key("kubernetes.io/service-name"),
+        "{labels:?}"
+    );
     assert_eq!(labels["multicluster.kubernetes.io/service-name"], "web");
     assert_eq!(labels["multicluster.kubernetes.io/source-cluster"], "west");
     assert_eq!(
@@ -289,9 +290,11 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
             .flatten()
             .flat_map(|e| e.addresses.clone())
             .collect();
-        (addresses == ["10.244.9.1"] && s.ports.as_ref().is_some_and(|p| p[0].port == Some(8080)))
-            .then_some(())
-            .ok_or(format!("{s:?}"))
+        (addresses == ["10.244.9.1"]
+            && s.ports.as_ref().is_some_and(|p| p[0].port == Some(8080))
+            && s.labels().get("kubernetes.io/service-name") == Some(&derived))
+        .then_some(())
+        .ok_or(format!("{s:?}"))
     })
     .await;
 
@@ -321,6 +324,32 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
     let (reason, message) = export_condition(&ec, "shop", "ghost", "Valid", "False").await;
     assert_eq!(reason, "NoService");
     assert!(message.contains("shop/ghost"), "{message}");
+    // …and a Warning Event on it says the same.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ec.clone(), "shop");
+    eventually("a NoService Event on the ServiceExport", WAIT, || async {
+        let list = events
+            .list(&Default::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        list.items
+            .iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("NoService")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("ghost")
+                    && e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("ServiceExport")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.note.as_deref().is_some_and(|n| n.contains("Valid=False"))
+            })
+            .map(|_| ())
+            .ok_or(format!(
+                "{:?}",
+                list.items
+                    .iter()
+                    .map(|e| (&e.reason, &e.note))
+                    .collect::<Vec<_>>()
+            ))
+    })
+    .await;
     create_service(&ec, "shop", json!({"metadata": {"name": "ext"}, "spec": {"type": "ExternalName", "externalName": "example.com"}})).await;
     export(&ec, "shop", "ext").await;
     let (reason, _) = export_condition(&ec, "shop", "ext", "Valid", "False").await;

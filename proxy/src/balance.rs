@@ -4,6 +4,12 @@
 //! load is that cost times the requests in flight plus one. Two endpoints are
 //! drawn at random and the lighter one wins, so a slow endpoint loses traffic
 //! quickly without every proxy stampeding to the single fastest one.
+//!
+//! Endpoints may carry weights (a linked cluster's gateway in a clusterset
+//! service weighs that cluster's ready endpoints): the two are then drawn in
+//! proportion to weight and compared on load per unit of weight, so a
+//! cluster with three ready pods takes about three times the traffic of a
+//! cluster with one, and still less when it is slower.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,23 +114,60 @@ impl Balancer {
         z ^ (z >> 31)
     }
 
-    /// Power of two choices: the lighter of two random endpoints.
+    /// Two distinct indexes of `0..n`, uniformly.
+    fn uniform_pair(r: u64, n: usize) -> (usize, usize) {
+        let a = (r % n as u64) as usize;
+        let mut b = ((r >> 32) % (n as u64 - 1)) as usize;
+        if b >= a {
+            b += 1;
+        }
+        (a, b)
+    }
+
+    /// Two distinct indexes drawn in proportion to the endpoints' weights
+    /// (a few draws for the second; then uniformly among the others).
+    fn weighted_pair(&self, endpoints: &[Endpoint]) -> (usize, usize) {
+        let total: u64 = endpoints.iter().map(|e| u64::from(e.weight.max(1))).sum();
+        let at = |mut x: u64| {
+            for (i, e) in endpoints.iter().enumerate() {
+                let w = u64::from(e.weight.max(1));
+                if x < w {
+                    return i;
+                }
+                x -= w;
+            }
+            endpoints.len() - 1
+        };
+        let a = at(self.random() % total);
+        for _ in 0..4 {
+            let b = at(self.random() % total);
+            if b != a {
+                return (a, b);
+            }
+        }
+        let (_, b) = Self::uniform_pair(self.random(), endpoints.len());
+        (a, if b == a { (a + 1) % endpoints.len() } else { b })
+    }
+
+    /// Power of two choices: the lighter (per unit of weight) of two random
+    /// endpoints, drawn in proportion to their weights.
     pub fn pick(&self, endpoints: &[Endpoint]) -> Option<Endpoint> {
         match endpoints.len() {
             0 => None,
             1 => Some(endpoints[0].clone()),
             n => {
-                let r = self.random();
-                let a = (r % n as u64) as usize;
-                let mut b = ((r >> 32) % (n as u64 - 1)) as usize;
-                if b >= a {
-                    b += 1;
-                }
+                let weighted = endpoints.iter().any(|e| e.weight != endpoints[0].weight);
+                let (a, b) = if weighted {
+                    self.weighted_pair(endpoints)
+                } else {
+                    Self::uniform_pair(self.random(), n)
+                };
                 let stats = self.lock();
                 let load = |e: &Endpoint| {
                     stats
                         .get(&e.addr)
                         .map_or(DEFAULT_RTT.as_nanos() as f64, Stats::load)
+                        / f64::from(e.weight.max(1))
                 };
                 let (ea, eb) = (&endpoints[a], &endpoints[b]);
                 Some(if load(eb) < load(ea) { eb } else { ea }.clone())
@@ -172,7 +215,63 @@ mod tests {
             addr: SocketAddr::from(([10, 0, 0, i], 8080)),
             identity: "spiffe://td/ns/shop/sa/web".parse().unwrap(),
             via: crate::view::Via::NodeProxy(SocketAddr::from(([10, 1, 0, i], 4143))),
+            weight: 1,
         }
+    }
+
+    /// Picks `n` times with 8 requests in flight (each taking `rtt(addr)`),
+    /// as traffic does: how many each endpoint took.
+    fn simulate(
+        b: &Balancer,
+        eps: &[Endpoint],
+        n: usize,
+        rtt: impl Fn(SocketAddr) -> u64,
+    ) -> HashMap<SocketAddr, usize> {
+        let mut counts = HashMap::new();
+        let mut in_flight = std::collections::VecDeque::new();
+        for _ in 0..n {
+            let e = b.pick(eps).unwrap();
+            *counts.entry(e.addr).or_insert(0) += 1;
+            in_flight.push_back((e.addr, b.start(&e)));
+            if in_flight.len() > 8 {
+                let (addr, f) = in_flight.pop_front().unwrap();
+                f.finish(Duration::from_millis(rtt(addr)), true);
+            }
+        }
+        counts
+    }
+
+    #[test]
+    fn weights_share_traffic_in_proportion() {
+        // Two clusters' gateways: three ready pods behind one, one behind the other.
+        let mut eps = vec![endpoint(1), endpoint(2)];
+        eps[0].weight = 3;
+        let counts = simulate(&Balancer::default(), &eps, 4000, |_| 1);
+        let heavy = counts[&eps[0].addr];
+        assert!(
+            (2600..=3400).contains(&heavy),
+            "weight 3 against 1 took {heavy} of 4000"
+        );
+        // Many endpoints, one heavy: every one still gets some traffic.
+        let mut many: Vec<Endpoint> = (1..=5).map(endpoint).collect();
+        many[4].weight = 10;
+        let counts = simulate(&Balancer::default(), &many, 7000, |_| 1);
+        assert_eq!(counts.len(), 5, "{counts:?}");
+        let top = counts[&many[4].addr];
+        assert!(
+            many[..4].iter().all(|e| counts[&e.addr] * 3 < top),
+            "{counts:?}"
+        );
+        // A slow heavy endpoint (100 ms against 1 ms) loses to a fast light one.
+        let slow = eps[0].addr;
+        let counts = simulate(&Balancer::default(), &eps, 4000, |a| {
+            if a == slow { 100 } else { 1 }
+        });
+        assert!(
+            counts[&slow] < 1000,
+            "slow heavy endpoint still took {} of 4000",
+            counts[&slow]
+        );
     }
 
     #[test]

@@ -41,14 +41,18 @@ pub struct ServiceCheck {
 }
 
 /// One place a destination can be reached, and the identity that must
-/// answer there.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// answer there. Equal (and hashed, as a pool key) by where and whom, not
+/// by weight: a changing ready count must not open new connections.
+#[derive(Clone, Debug)]
 pub struct Endpoint {
     /// The pod's address; for a mirror, the remote cluster's gateway.
     pub addr: SocketAddr,
     /// The pod's identity; for a mirror, the gateway's.
     pub identity: SpiffeId,
     pub via: Via,
+    /// Its share of the traffic relative to the others (1 for a pod; a
+    /// linked cluster's gateway: that cluster's ready endpoints).
+    pub weight: u32,
 }
 
 /// How a tunnel reaches an [`Endpoint`].
@@ -59,6 +63,20 @@ pub enum Via {
     /// A mirror: the stream to the gateway names this Service there
     /// (`<svc>.<ns>.svc.<domain>` of the remote cluster, and its port).
     Gateway { service: String, port: u16 },
+}
+
+impl PartialEq for Endpoint {
+    fn eq(&self, other: &Self) -> bool {
+        (self.addr, &self.identity, &self.via) == (other.addr, &other.identity, &other.via)
+    }
+}
+
+impl Eq for Endpoint {}
+
+impl std::hash::Hash for Endpoint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.addr, &self.identity, &self.via).hash(state);
+    }
 }
 
 impl Endpoint {
@@ -131,6 +149,7 @@ fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
                 addr: e.addr,
                 identity: identity.clone(),
                 via: Via::NodeProxy(*proxy),
+                weight: e.weight,
             }),
             discovery::Route::Gateway {
                 gateway,
@@ -152,6 +171,7 @@ fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
                         service: remote,
                         port: destination.port.port,
                     },
+                    weight: e.weight,
                 })
             }
             discovery::Route::Direct => None,

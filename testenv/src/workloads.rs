@@ -238,17 +238,24 @@ fn now_rfc3339() -> String {
         .to_string()
 }
 
+/// CoreDNS's ConfigMap and ServiceAccount in `kube-system`, as kubeadm names them.
+pub const COREDNS_CONFIGMAP: &str = "coredns";
+/// The user CoreDNS authenticates as: its ServiceAccount's.
+pub const COREDNS_USER: &str = "system:serviceaccount:kube-system:coredns";
+
 /// Cluster DNS for real-node clusters: CoreDNS runs on the host at
 /// `server` (port 53), and the selector-less Service `kube-system/kube-dns` at
 /// `cluster_ip` points there through an EndpointSlice testenv manages, so
 /// kube-proxy on each node translates `cluster_ip:53` as in any cluster. Also
-/// the RBAC CoreDNS's user `system:coredns` needs (as kubeadm's).
+/// the RBAC CoreDNS's ServiceAccount needs (kubeadm's `system:coredns`), and
+/// its Corefile as the ConfigMap `kube-system/coredns`.
 pub async fn create_cluster_dns(
     client: &Client,
     server: IpAddr,
     cluster_ip: std::net::Ipv4Addr,
+    corefile: &str,
 ) -> kube::Result<()> {
-    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     fn typed<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> T {
@@ -265,7 +272,14 @@ pub async fn create_cluster_dns(
     let binding: ClusterRoleBinding = typed(json!({
         "metadata": {"name": "system:coredns"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:coredns"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:coredns"}],
+        "subjects": [{"kind": "ServiceAccount", "name": COREDNS_CONFIGMAP, "namespace": "kube-system"}],
+    }));
+    let account: ServiceAccount = typed(json!({
+        "metadata": {"name": COREDNS_CONFIGMAP, "namespace": "kube-system"},
+    }));
+    let config: ConfigMap = typed(json!({
+        "metadata": {"name": COREDNS_CONFIGMAP, "namespace": "kube-system"},
+        "data": {"Corefile": corefile},
     }));
     let ports = json!([
         {"name": "dns", "port": 53, "protocol": "UDP"},
@@ -289,6 +303,12 @@ pub async fn create_cluster_dns(
         .await?;
     Api::<ClusterRoleBinding>::all(client.clone())
         .create(&pp, &binding)
+        .await?;
+    Api::<ServiceAccount>::namespaced(client.clone(), "kube-system")
+        .create(&pp, &account)
+        .await?;
+    Api::<ConfigMap>::namespaced(client.clone(), "kube-system")
+        .create(&pp, &config)
         .await?;
     Api::<Service>::namespaced(client.clone(), "kube-system")
         .create(&pp, &service)

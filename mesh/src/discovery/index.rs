@@ -16,7 +16,8 @@ use crate::detect::{OpaquePorts, PortsSource};
 use super::names::{parse_service_host, parse_timeout};
 use crate::names::{
     ALLOWED_IDENTITIES_ANNOTATION, CLUSTERSET_DOMAIN, CLUSTERSET_EXPORTED_ANNOTATION,
-    OPAQUE_PORTS_ANNOTATION, TIMEOUT_ANNOTATION, TRANSPARENT_ANNOTATION,
+    CLUSTERSET_SLICE_SERVICE_LABEL, OPAQUE_PORTS_ANNOTATION, TIMEOUT_ANNOTATION,
+    TRANSPARENT_ANNOTATION,
 };
 
 mod build;
@@ -170,7 +171,10 @@ impl Snapshot {
                     .metadata
                     .labels
                     .as_ref()
-                    .and_then(|l| l.get(SERVICE_NAME_LABEL))
+                    .and_then(|l| {
+                        l.get(SERVICE_NAME_LABEL)
+                            .or_else(|| l.get(CLUSTERSET_SLICE_SERVICE_LABEL))
+                    })
                     .map(String::as_str),
             ) {
                 slices_by_service
@@ -317,7 +321,11 @@ impl Snapshot {
         }
         let pod = self.pods_by_ip.get(&addr.ip())?;
         let endpoints: Vec<Endpoint> = pod_route(pod, &self.node_proxies)
-            .map(|route| Endpoint { addr, route })
+            .map(|route| Endpoint {
+                addr,
+                route,
+                weight: 1,
+            })
             .into_iter()
             .collect();
         Some(Arc::new(Destination {

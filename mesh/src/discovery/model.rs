@@ -66,6 +66,10 @@ pub struct Endpoint {
     /// the gateway address from the EndpointSlice).
     pub addr: SocketAddr,
     pub route: Route,
+    /// Its share of the traffic relative to the others: 1 for a pod; for a
+    /// linked cluster's gateway in a clusterset service, that cluster's
+    /// ready endpoints (spread over its gateway addresses).
+    pub weight: u32,
 }
 
 /// How the node proxy reaches an endpoint.

@@ -32,6 +32,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -344,11 +345,19 @@ pub async fn run(client: Client, cluster: String, feed: ClustersetFeed) {
         }
     }
     tracing::info!(%cluster, "multi-cluster services controller started");
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "strait-mirror".into(),
+            instance: std::env::var("POD_NAME").ok(),
+        },
+    );
     let controller = Controller {
         client,
         cluster,
         feed,
         local,
+        recorder,
     };
     loop {
         controller.sync().await;
@@ -367,6 +376,8 @@ struct Controller {
     cluster: String,
     feed: ClustersetFeed,
     local: Local,
+    /// Events on ServiceExports, one per condition change.
+    recorder: Recorder,
 }
 
 /// A write's outcome for the Ready condition.
@@ -755,22 +766,37 @@ impl Controller {
         Ok(())
     }
 
-    /// The derived Service's slices, one per source cluster, where they differ.
+    /// The import's slices, one per source cluster, where they differ: for a
+    /// ClusterSetIP, its derived Service's (this cluster's pods, the other
+    /// clusters' gateways); for a Headless import, each source cluster's own
+    /// endpoints (owned by the ServiceImport: there is no derived Service),
+    /// which cluster DNS answers for the import's names.
     async fn write_slices(&self, key: &Key, r: &Resolved, snap: &Snapshot) -> Written {
         let (ns, name) = key;
         let derived = derived_name(ns, name);
+        let headless = r.service.type_ == ServiceImportType::Headless;
         let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
-        let owner = self
-            .local
-            .services
-            .get(&ObjectRef::new(&derived).within(ns))
-            .and_then(|svc| svc.uid())
-            .map(|uid| {
-                json!([{"apiVersion": "v1", "kind": "Service", "name": derived, "uid": uid,
-                               "controller": true, "blockOwnerDeletion": false}])
-            });
+        let owner = if headless {
+            self.local
+                .imports
+                .get(&ObjectRef::new(name).within(ns))
+                .and_then(|import| import.uid())
+                .map(|uid| {
+                    json!([{"apiVersion": "multicluster.x-k8s.io/v1beta1", "kind": "ServiceImport",
+                            "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": false}])
+                })
+        } else {
+            self.local
+                .services
+                .get(&ObjectRef::new(&derived).within(ns))
+                .and_then(|svc| svc.uid())
+                .map(|uid| {
+                    json!([{"apiVersion": "v1", "kind": "Service", "name": derived, "uid": uid,
+                                   "controller": true, "blockOwnerDeletion": false}])
+                })
+        };
         let Some(owner) = owner else {
-            return Ok(()); // headless, or the derived Service is new: the next pass writes them
+            return Ok(()); // the import or derived Service is new: the next pass writes them
         };
         let slices_of = |store: &Store<EndpointSlice>, svc: &str| -> Vec<Arc<EndpointSlice>> {
             store
@@ -790,7 +816,17 @@ impl Controller {
                 .collect()
         };
         for cluster in &r.clusters {
-            let desired = if *cluster == self.cluster {
+            let desired = if headless {
+                let theirs = if *cluster == self.cluster {
+                    slices_of(&self.local.slices, name)
+                } else if let Some((_, Some(store))) = snap.remotes.get(cluster) {
+                    slices_of(store, name)
+                } else {
+                    continue; // not known yet: what was written stays
+                };
+                let theirs: Vec<&EndpointSlice> = theirs.iter().map(|s| s.as_ref()).collect();
+                slices::headless_slice(ns, name, &derived, cluster, &theirs)
+            } else if *cluster == self.cluster {
                 let own = slices_of(&self.local.slices, name);
                 let own: Vec<&EndpointSlice> = own.iter().map(|s| s.as_ref()).collect();
                 slices::local_slice(ns, name, &derived, cluster, &own)
@@ -811,6 +847,8 @@ impl Controller {
             let same = current.as_ref().is_some_and(|c| {
                 c.endpoints == desired.endpoints
                     && c.ports == desired.ports
+                    && c.labels().get(crate::mirror::SERVICE_NAME_LABEL)
+                        == desired.labels().get(crate::mirror::SERVICE_NAME_LABEL)
                     && desired
                         .metadata
                         .annotations
@@ -932,8 +970,39 @@ impl Controller {
                 &PatchParams::default(),
                 &Patch::Merge(json!({"status": {"conditions": conditions}})),
             )
-            .await
-            .map(|_| ())
+            .await?;
+        // An Event for each condition that changed (what `kubectl describe`
+        // and `kubectl get events` show beside the status).
+        for c in &conditions {
+            let before = current.iter().find(|p| p.type_ == c.type_);
+            if before.is_some_and(|p| p.status == c.status && p.reason == c.reason) {
+                continue;
+            }
+            let event = Event {
+                type_: condition_event_type(c),
+                reason: c.reason.chars().take(128).collect(),
+                note: Some(
+                    format!("{}={}: {}", c.type_, c.status, c.message)
+                        .chars()
+                        .take(1000)
+                        .collect(),
+                ),
+                action: "Export".into(),
+                secondary: None,
+            };
+            if let Err(e) = self.recorder.publish(&event, &export.object_ref(&())).await {
+                tracing::debug!(export = %format!("{ns}/{name}"), "publishing an Event failed: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A condition that needs someone's attention is a Warning.
+fn condition_event_type(c: &Condition) -> EventType {
+    match (c.type_.as_str(), c.status.as_str()) {
+        ("Valid", "False") | ("Conflict", "True") | ("Ready", "False") => EventType::Warning,
+        _ => EventType::Normal,
     }
 }
 

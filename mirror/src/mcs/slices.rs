@@ -2,14 +2,18 @@
 //! source cluster, as pure functions: this cluster's ready pods (copied from
 //! the exported Service's own slices), and for each linked cluster its gateway
 //! addresses, annotated with what the node proxy needs to tunnel there and
-//! how many ready endpoints stand behind it.
+//! how many ready endpoints stand behind it. Only the local slice names the
+//! derived Service for kube-proxy; the gateways' slices name it for the node
+//! proxies alone ([`CLUSTERSET_SLICE_SERVICE_LABEL`]).
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use strait_mesh::mcs::{LABEL_SERVICE_NAME, LABEL_SOURCE_CLUSTER, ServicePort};
-use strait_mesh::names::{GATEWAY_IDENTITY_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION};
+use strait_mesh::names::{
+    CLUSTERSET_SLICE_SERVICE_LABEL, GATEWAY_IDENTITY_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION,
+};
 
 use crate::mirror::{MANAGED_BY_LABEL, SERVICE_NAME_LABEL};
 use crate::probe::GatewayEndpoint;
@@ -17,8 +21,7 @@ use crate::probe::GatewayEndpoint;
 /// `endpointslice.kubernetes.io/managed-by` of the slices written here (never
 /// the Kubernetes controller's, as the MCS API asks).
 pub const MANAGED_BY: &str = "mcs.strait.dev";
-/// On a remote cluster's slice: how many ready endpoints the service has there.
-pub const READY_ENDPOINTS_ANNOTATION: &str = "multicluster.strait.dev/ready-endpoints";
+pub use strait_mesh::names::READY_ENDPOINTS_ANNOTATION;
 
 /// A linked cluster as its slice needs it.
 #[derive(Clone, Debug)]
@@ -93,6 +96,25 @@ pub fn local_slice(
     }
 }
 
+/// A Headless import's slice for `cluster`: that cluster's endpoints of the
+/// exported Service (`service_slices`, its own slices there), with hostnames,
+/// under the MCS labels only. No `kubernetes.io/service-name`: no Service
+/// selects them (kube-proxy and the node proxies leave them alone); cluster
+/// DNS answers the import's names from them.
+pub fn headless_slice(
+    ns: &str,
+    name: &str,
+    derived: &str,
+    cluster: &str,
+    service_slices: &[&EndpointSlice],
+) -> EndpointSlice {
+    let mut slice = local_slice(ns, name, derived, cluster, service_slices);
+    if let Some(labels) = slice.metadata.labels.as_mut() {
+        labels.remove(SERVICE_NAME_LABEL);
+    }
+    slice
+}
+
 /// How many ready endpoints `slices` (one Service's, in any cluster) hold.
 pub fn ready_count(slices: &[&EndpointSlice]) -> usize {
     let mut ready: Vec<&Vec<String>> = slices
@@ -143,6 +165,10 @@ pub fn remote_slice(
         })
         .collect();
     let mut metadata = meta(ns, name, derived, &remote.cluster);
+    if let Some(labels) = metadata.labels.as_mut() {
+        labels.remove(SERVICE_NAME_LABEL);
+        labels.insert(CLUSTERSET_SLICE_SERVICE_LABEL.into(), derived.into());
+    }
     let mut annotations = BTreeMap::from([
         (
             GATEWAY_IDENTITY_ANNOTATION.to_string(),
@@ -171,6 +197,24 @@ mod tests {
 
     fn slice(json: serde_json::Value) -> EndpointSlice {
         serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_headless_slice_keeps_hostnames_and_names_no_service() {
+        let theirs = slice(
+            serde_json::json!({"addressType": "IPv4", "metadata": {"name": "db-x"},
+            "endpoints": [{"addresses": ["10.244.2.7"], "hostname": "db-0", "conditions": {"ready": true}}],
+            "ports": [{"name": "pg", "port": 5432, "protocol": "TCP"}]}),
+        );
+        let s = headless_slice("shop", "db", "derived-db", "west", &[&theirs]);
+        let labels = s.metadata.labels.unwrap();
+        assert_eq!(labels[LABEL_SERVICE_NAME], "db");
+        assert_eq!(labels[LABEL_SOURCE_CLUSTER], "west");
+        assert!(!labels.contains_key(SERVICE_NAME_LABEL), "{labels:?}");
+        let endpoints = s.endpoints.unwrap();
+        assert_eq!(endpoints[0].hostname.as_deref(), Some("db-0"));
+        assert_eq!(endpoints[0].addresses, ["10.244.2.7"]);
+        assert_eq!(s.ports.unwrap()[0].port, Some(5432));
     }
 
     #[test]
@@ -236,6 +280,11 @@ mod tests {
             "web.shop.svc.cluster.local"
         );
         assert!(annotations[GATEWAY_IDENTITY_ANNOTATION].contains("west"));
+        // For node proxies only: kube-proxy must not send plain TCP to a gateway.
+        let labels = s.metadata.labels.clone().unwrap();
+        assert!(!labels.contains_key(SERVICE_NAME_LABEL), "{labels:?}");
+        assert_eq!(labels[CLUSTERSET_SLICE_SERVICE_LABEL], "derived-x");
+        assert_eq!(labels[LABEL_SOURCE_CLUSTER], "west");
         let ready: Vec<_> = s
             .endpoints
             .unwrap()

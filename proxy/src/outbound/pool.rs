@@ -328,6 +328,7 @@ mod tests {
                 addr: std::net::SocketAddr::from(([10, 1, 0, pod], 8080)),
                 identity: SpiffeId::new("cluster.local", "shop", "web").unwrap(),
                 via,
+                weight: 1,
             },
         }
     }

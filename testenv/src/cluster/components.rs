@@ -246,21 +246,22 @@ impl Cluster {
     /// CoreDNS for a real-node cluster: a process on the host's LAN address
     /// (as the API server is), behind the `kube-system/kube-dns` Service at
     /// the Service range's `.10`, which kube-proxy on every node translates.
+    /// As in a kubeadm cluster, its Corefile is the ConfigMap
+    /// `kube-system/coredns` (testenv copies it to the file CoreDNS reads, as
+    /// the kubelet does for a CoreDNS pod; CoreDNS's `reload` loads changes),
+    /// and it authenticates as the ServiceAccount `kube-system/coredns`, so
+    /// what `strait install` applies to cluster DNS is applied here as anywhere.
     pub(super) async fn start_coredns(&mut self) -> Result<(), ClusterError> {
         let name = self.config.name.clone();
         let api_error = |what: &str, e: kube::Error| ClusterError::Client {
             cluster: name.clone(),
             message: format!("{what}: {e}"),
         };
-        crate::workloads::create_cluster_dns(
-            &self.client,
-            self.config.bind_address,
-            self.config.service_ip(10),
-        )
-        .await
-        .map_err(|e| api_error("cluster DNS objects", e))?;
-        let kubeconfig =
-            self.write_client_kubeconfig("coredns.kubeconfig", "system:coredns", None)?;
+        let kubeconfig = self.write_client_kubeconfig(
+            "coredns.kubeconfig",
+            crate::workloads::COREDNS_USER,
+            Some("system:serviceaccounts"),
+        )?;
         let corefile = format!(
             r#".:53 {{
     bind {ip}
@@ -273,6 +274,7 @@ impl Cluster {
         ttl 5
     }}
     cache 5
+    reload 2s 1s
     loadbalance
 }}
 "#,
@@ -281,8 +283,16 @@ impl Cluster {
             kubeconfig = kubeconfig.display(),
             context = self.config.name,
         );
+        crate::workloads::create_cluster_dns(
+            &self.client,
+            self.config.bind_address,
+            self.config.service_ip(10),
+            &corefile,
+        )
+        .await
+        .map_err(|e| api_error("cluster DNS objects", e))?;
         let corefile_path = self.root.join("Corefile");
-        std::fs::write(&corefile_path, corefile).map_err(|source| ClusterError::Setup {
+        std::fs::write(&corefile_path, &corefile).map_err(|source| ClusterError::Setup {
             cluster: self.config.name.clone(),
             what: "the Corefile",
             source,
@@ -301,6 +311,33 @@ impl Cluster {
         })
         .await?;
         self.coredns = Some(child);
+        self.corefile_sync = Some(tokio::spawn(sync_corefile(
+            self.client.clone(),
+            corefile_path,
+            corefile,
+        )));
         Ok(())
+    }
+}
+
+/// Copies the Corefile of ConfigMap `kube-system/coredns` to `path` whenever
+/// it changes (polled each second), as the kubelet refreshes a ConfigMap
+/// volume; runs until aborted with the cluster.
+async fn sync_corefile(client: kube::Client, path: std::path::PathBuf, mut written: String) {
+    let api: Api<ConfigMap> = Api::namespaced(client, "kube-system");
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Ok(Some(cm)) = api.get_opt(crate::workloads::COREDNS_CONFIGMAP).await else {
+            continue;
+        };
+        let Some(corefile) = cm.data.and_then(|mut d| d.remove("Corefile")) else {
+            continue;
+        };
+        if corefile != written {
+            match std::fs::write(&path, &corefile) {
+                Ok(()) => written = corefile,
+                Err(e) => eprintln!("testenv: writing {}: {e}", path.display()),
+            }
+        }
     }
 }

@@ -189,6 +189,8 @@ pub struct Cluster {
     /// Real-node clusters only.
     scheduler: Option<ChildProcess>,
     coredns: Option<ChildProcess>,
+    /// Copies the `kube-system/coredns` ConfigMap to CoreDNS's Corefile.
+    corefile_sync: Option<tokio::task::JoinHandle<()>>,
     admin_kubeconfig: Kubeconfig,
     client: Client,
 }
@@ -328,6 +330,7 @@ impl Cluster {
             controller_manager: None,
             scheduler: None,
             coredns: None,
+            corefile_sync: None,
             admin_kubeconfig,
             client,
         };
@@ -470,6 +473,9 @@ impl Cluster {
     }
 
     fn stop_all(&mut self) {
+        if let Some(sync) = self.corefile_sync.take() {
+            sync.abort();
+        }
         // Clients first, then the store.
         for child in [
             &mut self.coredns,

@@ -15,7 +15,7 @@ use crate::identity::SpiffeId;
 use crate::mcs::{Affinity, LABEL_SERVICE_NAME, MANAGED_BY as MCS_MANAGED_BY};
 use crate::names::{
     AFFINITY_ANNOTATION, CLUSTER_NAME_LABEL, Carrier, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL,
-    OPAQUE_PORTS_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION,
+    OPAQUE_PORTS_ANNOTATION, READY_ENDPOINTS_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION,
 };
 
 pub(super) struct EndpointContext<'a> {
@@ -34,7 +34,7 @@ pub(super) fn ready_endpoints(
     mirror: &Option<MirrorInfo>,
 ) -> Vec<Endpoint> {
     // By address: an endpoint moving between slices may briefly be in two.
-    let mut out: BTreeMap<SocketAddr, Route> = BTreeMap::new();
+    let mut out: BTreeMap<SocketAddr, (Route, u32)> = BTreeMap::new();
     for slice in slices {
         let Some(target_port) = slice_port(slice, port_name) else {
             continue;
@@ -44,6 +44,7 @@ pub(super) fn ready_endpoints(
             .get(GATEWAY_IDENTITY_ANNOTATION)
             .map(|id| id.parse::<SpiffeId>());
         let remote_service = slice.annotations().get(REMOTE_FQ_NAME_ANNOTATION).cloned();
+        let weight = gateway_weight(slice);
         for ep in slice.endpoints.iter().flatten() {
             // Kubernetes: an unset `ready` means ready.
             if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
@@ -69,14 +70,44 @@ pub(super) fn ready_endpoints(
                     (None, None) => endpoint_route(ctx, ep, ip),
                 };
                 if let Some(route) = route {
-                    out.entry(addr).or_insert(route);
+                    let weight = if matches!(route, Route::Gateway { .. }) {
+                        weight
+                    } else {
+                        1
+                    };
+                    out.entry(addr).or_insert((route, weight));
                 }
             }
         }
     }
     out.into_iter()
-        .map(|(addr, route)| Endpoint { addr, route })
+        .map(|(addr, (route, weight))| Endpoint {
+            addr,
+            route,
+            weight,
+        })
         .collect()
+}
+
+/// The weight of each gateway address of a linked cluster's slice: the
+/// service's ready endpoints there ([`READY_ENDPOINTS_ANNOTATION`]) spread
+/// over the slice's addresses, at least 1; 1 when the slice does not say.
+fn gateway_weight(slice: &EndpointSlice) -> u32 {
+    let Some(ready) = slice
+        .annotations()
+        .get(READY_ENDPOINTS_ANNOTATION)
+        .and_then(|n| n.parse::<u32>().ok())
+    else {
+        return 1;
+    };
+    let addresses = slice
+        .endpoints
+        .iter()
+        .flatten()
+        .map(|e| e.addresses.len() as u32)
+        .sum::<u32>()
+        .max(1);
+    ready.div_ceil(addresses).max(1)
 }
 
 /// A clusterset service's endpoints as its affinity wants them: local pods

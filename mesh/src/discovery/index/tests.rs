@@ -3,7 +3,8 @@
 use super::*;
 use crate::discovery::model::{MirrorInfo, Route};
 use crate::names::{
-    CLUSTER_NAME_LABEL, GATEWAY_IDENTITY_ANNOTATION, MIRRORED_LABEL, REMOTE_FQ_NAME_ANNOTATION,
+    CLUSTER_NAME_LABEL, CLUSTERSET_SLICE_SERVICE_LABEL, GATEWAY_IDENTITY_ANNOTATION,
+    MIRRORED_LABEL, READY_ENDPOINTS_ANNOTATION, REMOTE_FQ_NAME_ANNOTATION,
 };
 use serde_json::json;
 
@@ -273,6 +274,7 @@ fn mirror_services_resolve_to_the_gateway_with_its_identity() {
                     .unwrap(),
                 service: None,
             },
+            weight: 1,
         }]
     );
     // Without a gateway identity the endpoint cannot be verified: none.
@@ -324,6 +326,11 @@ fn clusterset_services_resolve_by_their_clusterset_name_with_affinity() {
         serde_json::from_value(json!({"addresses": ["172.18.0.3"], "conditions": {"ready": true}}))
             .unwrap(),
     ]);
+    // As the controller writes it: named for the node proxies, not kube-proxy.
+    remote.metadata.labels = Some(BTreeMap::from([(
+        CLUSTERSET_SLICE_SERVICE_LABEL.to_string(),
+        "derived-1b2ce43c8d2a78c4".to_string(),
+    )]));
     remote.metadata.annotations = Some(BTreeMap::from([
         (
             GATEWAY_IDENTITY_ANNOTATION.to_string(),
@@ -388,6 +395,30 @@ fn clusterset_services_resolve_by_their_clusterset_name_with_affinity() {
         snap.resolve_name("other.shop.svc.clusterset.local", 80)
             .is_none()
     );
+    // A linked cluster's gateway weighs its ready endpoints; pods weigh 1.
+    let weights = |remote: &EndpointSlice| -> Vec<u32> {
+        let slices = [local.clone(), Arc::new(remote.clone())];
+        let snap = build("none", &slices);
+        let d = snap
+            .resolve_name("web.shop.svc.clusterset.local", 80)
+            .unwrap();
+        d.endpoints.iter().map(|e| e.weight).collect()
+    };
+    assert_eq!(weights(&remote), [1, 1], "no count: weight 1");
+    let mut counted = (*remote).clone();
+    counted
+        .metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(READY_ENDPOINTS_ANNOTATION.into(), "5".into());
+    assert_eq!(weights(&counted), [1, 5]);
+    // Two gateway addresses share the count (rounded up).
+    counted.endpoints.as_mut().unwrap().push(
+        serde_json::from_value(json!({"addresses": ["172.18.0.4"], "conditions": {"ready": true}}))
+            .unwrap(),
+    );
+    assert_eq!(weights(&counted), [1, 3, 3]);
 }
 
 /// The gateway serves a Service exported by label or by a ServiceExport (the
@@ -444,7 +475,8 @@ fn endpoints_without_a_pod_are_direct_and_unknown_nodes_are_skipped() {
         d.endpoints.as_ref(),
         &[Endpoint {
             addr: addr("192.0.2.7:8443"),
-            route: Route::Direct
+            route: Route::Direct,
+            weight: 1,
         }]
     );
 }
