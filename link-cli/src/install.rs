@@ -656,3 +656,44 @@ pub async fn uninstall(args: UninstallArgs) -> anyhow::Result<String> {
         "# strait uninstall: delete with `kubectl delete -f -`.\n",
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coredns_objects(configmap: &str) -> anyhow::Result<Vec<Value>> {
+        let mut objects = manifest_objects()?;
+        point_at_coredns(&mut objects, configmap)?;
+        Ok(objects
+            .into_iter()
+            .filter(|o| {
+                o["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("coredns"))
+            })
+            .collect())
+    }
+
+    #[test]
+    fn the_coredns_objects_follow_the_configmap_flag() {
+        let default = coredns_objects("kube-system/coredns").unwrap();
+        assert_eq!(default.len(), 4, "{default:#?}");
+        let moved = coredns_objects("dns/my-dns").unwrap();
+        let role = moved.iter().find(|o| o["kind"] == "Role").unwrap();
+        assert_eq!(role["metadata"]["namespace"], "dns");
+        assert_eq!(role["rules"][0]["resourceNames"], json!(["my-dns"]));
+        let binding = moved.iter().find(|o| o["kind"] == "RoleBinding").unwrap();
+        assert_eq!(binding["metadata"]["namespace"], "dns");
+        let cluster_binding = moved
+            .iter()
+            .find(|o| o["kind"] == "ClusterRoleBinding")
+            .unwrap();
+        assert_eq!(
+            cluster_binding["subjects"],
+            json!([{"kind": "ServiceAccount", "name": "my-dns", "namespace": "dns"}])
+        );
+        assert!(coredns_objects("").unwrap().is_empty(), "off: none of them");
+        let e = coredns_objects("coredns").unwrap_err().to_string();
+        assert!(e.contains("not namespace/name"), "{e}");
+    }
+}
