@@ -4,15 +4,19 @@
 //! both ways across a WAN (so each cluster's mirror controller sees the
 //! other's ServiceExports), the suite's images imported into every node.
 //!
-//! Every spec labelled Required must pass; the Optional ones run after and
-//! are reported (which pass, which fail and why), not asserted: see
-//! ARCHITECTURE.md for why some cannot pass through gateways. Both of the
-//! suite's own summaries go to the log. Needs root (real nodes); ~10 min.
+//! Every spec labelled Required must pass. The Optional ones run after and
+//! are reported (which pass, which fail and why); of those, every one but
+//! Connectivity must pass too (DNS through CoreDNS as `strait install`
+//! configures it, EndpointSlices, exported labels). Connectivity asks a pod
+//! outside the mesh to reach another cluster's pod, which a gateway that
+//! admits only mTLS refuses (ARCHITECTURE.md): reported, not asserted. Both
+//! of the suite's own summaries go to the log. Needs root (real nodes);
+//! ~16 min (the Connectivity specs wait out their timeouts).
 
 use std::path::Path;
 use std::time::Instant;
 
-use strait_testenv::conformance::{self, RunOptions, SpecState, Summary};
+use strait_testenv::conformance::{self, RunOptions, SpecResult, SpecState, Summary};
 use strait_testenv::images::conformance_archives;
 use strait_testenv::installed::{InstalledMesh, MeshOptions};
 use strait_testenv::net::root_or_skip;
@@ -83,15 +87,27 @@ async fn strait_passes_the_required_mcs_conformance_specs() {
     let optional = run("Optional").await.unwrap();
     report(&optional);
 
-    let not_passed: Vec<String> = required
-        .specs
-        .iter()
-        .filter(|s| s.state != SpecState::Passed)
-        .map(|s| format!("{} {}: {}", s.state, s.name, s.reason().unwrap_or("")))
-        .collect();
+    // A run lists every spec; those its filter left out are skipped.
+    let not_passed = |summary: &Summary, counts: &dyn Fn(&SpecResult) -> bool| {
+        let asserted: Vec<&SpecResult> = summary.specs.iter().filter(|s| counts(s)).collect();
+        let not: Vec<String> = asserted
+            .iter()
+            .filter(|s| s.state != SpecState::Passed)
+            .map(|s| format!("{} {}: {}", s.state, s.name, s.reason().unwrap_or("")))
+            .collect();
+        (asserted.len(), not)
+    };
+    let (n, not) = not_passed(&required, &|s| s.has_label("Required"));
     assert!(
-        required.succeeded && not_passed.is_empty() && !required.specs.is_empty(),
-        "every Required spec must pass (a skipped one does not count); not passed: {not_passed:#?}"
+        required.succeeded && not.is_empty() && n > 0,
+        "every Required spec must pass (a skipped one does not count); not passed: {not:#?}"
+    );
+    let (n, not) = not_passed(&optional, &|s| {
+        s.has_label("Optional") && !s.has_label("Connectivity")
+    });
+    assert!(
+        not.is_empty() && n > 0,
+        "every Optional spec but Connectivity must pass (DNS, EndpointSlice, exported labels); not passed: {not:#?}"
     );
     assert!(
         mesh.api_endpoint_running(),
