@@ -17,6 +17,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 
 use super::index::{IndexConfig, SERVICE_NAME_LABEL, Snapshot};
+use crate::names::CLUSTERSET_SLICE_SERVICE_LABEL;
 
 /// Bursts of changes (a rollout touches many pods and slices) make one rebuild.
 const DEBOUNCE: Duration = Duration::from_millis(25);
@@ -24,6 +25,10 @@ const DEBOUNCE: Duration = Duration::from_millis(25);
 pub(super) struct Stores {
     services: Store<Service>,
     slices: Store<EndpointSlice>,
+    /// Linked clusters' gateways in clusterset services: named for node
+    /// proxies only, not `kubernetes.io/service-name` (kube-proxy must not
+    /// route to them).
+    gateway_slices: Store<EndpointSlice>,
     pods: Store<Pod>,
     nodes: Store<Node>,
     namespaces: Store<Namespace>,
@@ -33,6 +38,11 @@ impl Stores {
     fn all_ready(&self) -> bool {
         self.services.wait_until_ready().now_or_never().is_some()
             && self.slices.wait_until_ready().now_or_never().is_some()
+            && self
+                .gateway_slices
+                .wait_until_ready()
+                .now_or_never()
+                .is_some()
             && self.pods.wait_until_ready().now_or_never().is_some()
             && self.nodes.wait_until_ready().now_or_never().is_some()
             && self.namespaces.wait_until_ready().now_or_never().is_some()
@@ -82,6 +92,12 @@ pub(super) fn streams(client: &Client) -> (Stores, Changes) {
         watcher::Config::default().labels(SERVICE_NAME_LABEL),
         trim_slice,
     );
+    let (gateway_slices, s6) = reflect(
+        "EndpointSlice",
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default().labels(CLUSTERSET_SLICE_SERVICE_LABEL),
+        trim_slice,
+    );
     // Finished pods hold no traffic (and their IPs are reused).
     let (pods, s3) = reflect(
         "Pod",
@@ -105,11 +121,15 @@ pub(super) fn streams(client: &Client) -> (Stores, Changes) {
     let stores = Stores {
         services,
         slices,
+        gateway_slices,
         pods,
         nodes,
         namespaces,
     };
-    (stores, futures::stream::select_all([s1, s2, s3, s4, s5]))
+    (
+        stores,
+        futures::stream::select_all([s1, s2, s3, s4, s5, s6]),
+    )
 }
 
 /// Drives the reflectors and publishes a new snapshot after each burst of changes.
@@ -146,10 +166,12 @@ pub(super) async fn run(
             }
             tracing::info!("discovery synced");
         }
+        let mut slices = stores.slices.state();
+        slices.extend(stores.gateway_slices.state());
         let mut snapshot = Snapshot::build_with(
             &config,
             &stores.services.state(),
-            &stores.slices.state(),
+            &slices,
             &stores.pods.state(),
             &stores.nodes.state(),
             &stores.namespaces.state(),
