@@ -14,11 +14,13 @@
 //! ~16 min (the Connectivity specs wait out their timeouts).
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strait_testenv::conformance::{self, RunOptions, SpecResult, SpecState, Summary};
 use strait_testenv::images::conformance_archives;
-use strait_testenv::installed::{InstalledMesh, MeshOptions};
+use strait_testenv::installed::{
+    InstalledMesh, MeshOptions, apply, client_manifests, get_from_client, wait_ready, web_manifests,
+};
 use strait_testenv::net::root_or_skip;
 
 fn options(kubeconfig: &Path, label_filter: &str, report_dir: &Path) -> RunOptions {
@@ -108,6 +110,48 @@ async fn strait_passes_the_required_mcs_conformance_specs() {
     assert!(
         not.is_empty() && n > 0,
         "every Optional spec but Connectivity must pass (DNS, EndpointSlice, exported labels); not passed: {not:#?}"
+    );
+
+    // Strait's own check on the same clusters: a meshed pod in east calls
+    // the clusterset name of a service only west serves, and a west pod
+    // answers through west's gateway, seeing the caller's proven identity.
+    let east = mesh.east.cluster().kubeconfig_path();
+    let west = mesh.west.cluster().kubeconfig_path();
+    apply(&west, &web_manifests(1)).unwrap();
+    apply(&east, &client_manifests()).unwrap();
+    wait_ready(&west, "shop", "deployment/web").unwrap();
+    wait_ready(&east, "shop", "deployment/client").unwrap();
+    mesh.strait(&[
+        "export",
+        "--clusterset",
+        "svc/web",
+        "-n",
+        "shop",
+        "--kubeconfig",
+        &west.display().to_string(),
+    ])
+    .unwrap();
+    let started = Instant::now();
+    let body = loop {
+        let out = get_from_client(&east, "http://web.shop.svc.clusterset.local/", None);
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && body.contains("\"pod\":\"web-") {
+            break body;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "web.shop.svc.clusterset.local from east: {body}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    eprintln!(
+        "MEASURED export in west → first call from east by its clusterset name: {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        body.contains("spiffe://east.clusterset.local/ns/shop/sa/client"),
+        "the west pod saw the caller's identity: {body}"
     );
     assert!(
         mesh.api_endpoint_running(),

@@ -30,8 +30,8 @@ const RETRYABLE_STATUSES: [StatusCode; 3] = [
     StatusCode::GATEWAY_TIMEOUT,
 ];
 
-/// Why a request got no response, and whether it never left (safe to send
-/// to another endpoint).
+/// Why a request got no response, and whether it never left (the log says
+/// which).
 #[derive(Debug)]
 struct SendError {
     connect: bool,
@@ -72,13 +72,16 @@ fn is_idempotent(method: &http::Method) -> bool {
 }
 
 /// Whether an attempt may be sent again to another endpoint: only a
-/// replayable request (idempotent, no body), and only if it never reached a
-/// pod or the answer says the endpoint could not serve it.
+/// replayable request (idempotent, no body), when it never reached a pod,
+/// when its connection was lost before an answer came (a gateway or node that
+/// died with it in flight: RFC 9110 §9.2.2 lets an idempotent request be
+/// sent again then, since doing it twice means doing it once), or when the
+/// answer says the endpoint could not serve it.
 fn retryable(replayable: bool, outcome: Result<StatusCode, &SendError>) -> bool {
     replayable
         && match outcome {
             Ok(status) => RETRYABLE_STATUSES.contains(&status),
-            Err(e) => e.connect,
+            Err(_) => true,
         }
 }
 
@@ -212,7 +215,7 @@ impl Outbound {
                     response.map(|b| b.boxed())
                 }
                 Err(e) => {
-                    tracing::info!(endpoint = %endpoint.addr, attempt, error = %e.message, "request failed: 502");
+                    tracing::info!(endpoint = %endpoint.addr, attempt, sent = !e.connect, error = %e.message, "request failed: 502");
                     text(
                         StatusCode::BAD_GATEWAY,
                         format!("to {}: {}", endpoint.addr, e.message),
@@ -330,7 +333,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_replayable_requests_that_never_arrived_or_were_refused_are_retried() {
+    fn only_replayable_requests_that_got_no_answer_or_were_refused_are_retried() {
         let never_sent = SendError::connect("connection refused");
         let lost = SendError {
             connect: false,
@@ -341,7 +344,11 @@ mod tests {
             !retryable(false, Err(&never_sent)),
             "a body or a POST is never resent"
         );
-        assert!(!retryable(true, Err(&lost)), "it may have reached the pod");
+        assert!(
+            retryable(true, Err(&lost)),
+            "idempotent: sent twice is sent once"
+        );
+        assert!(!retryable(false, Err(&lost)), "a POST may have been served");
         for status in RETRYABLE_STATUSES {
             assert!(retryable(true, Ok(status)));
             assert!(!retryable(false, Ok(status)));
