@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
-    InstalledMesh, apply, client_manifests, get_from_client, kubectl_until, wait_ready,
-    web_manifests,
+    InstalledMesh, apply, client_manifests, kubectl_until, proxy_service_ip, until_web_answers,
+    wait_ready, web_manifests,
 };
 use strait_testenv::stack::metric_sum;
 use strait_testenv::{http_get, kubectl};
@@ -261,16 +261,7 @@ fn main() {
     // East's export first (creation times have one-second resolution): the
     // oldest export's shape and affinity rule.
     for kc in [&east, &west] {
-        mesh.strait(&[
-            "export",
-            "--clusterset",
-            "svc/web",
-            "-n",
-            "shop",
-            "--kubeconfig",
-            &kc.display().to_string(),
-        ])
-        .unwrap();
+        mesh.export_clusterset(kc, "shop", "web").unwrap();
         std::thread::sleep(Duration::from_millis(1100));
     }
     kubectl_until(
@@ -296,35 +287,9 @@ fn main() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = get_from_client(&east, URL, None);
-        if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"pod\":\"web-") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{URL} never answered from east: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    until_web_answers(&east, URL, Duration::from_secs(60)).unwrap();
     let get = |kc: &Path, args: &[&str]| kubectl(kc, args, None).trim().to_string();
-    let proxy: IpAddr = get(
-        &east,
-        &[
-            "get",
-            "svc",
-            "-n",
-            "strait-system",
-            "strait-proxy",
-            "-o",
-            "jsonpath={.spec.clusterIP}",
-        ],
-    )
-    .parse()
-    .expect("the strait-proxy Service's ClusterIP");
+    let proxy = proxy_service_ip(&east).unwrap();
     let proxy_pod: IpAddr = get(
         &east,
         &[

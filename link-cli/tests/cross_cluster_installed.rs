@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
     InstalledMesh, app_manifests, apply, client_manifests, get_from_app, get_from_client,
-    kubectl_until, wait_ready, web_manifests,
+    kubectl_until, proxy_service_ip, wait_ready, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::stack::metric_sum;
@@ -167,19 +167,7 @@ async fn east_calls_west_through_installed_strait() {
         .pod_process("shop", client_pod.trim())
         .await
         .unwrap();
-    let proxy = kubectl(
-        &east,
-        &[
-            "get",
-            "svc",
-            "-n",
-            "strait-system",
-            "strait-proxy",
-            "-o",
-            "jsonpath={.spec.clusterIP}",
-        ],
-        None,
-    );
+    let proxy = proxy_service_ip(&east).unwrap();
     let script = format!(
         "exec 3<>/dev/tcp/{proxy}/4140; printf 'CONNECT web-west.shop.svc.cluster.local:9000 HTTP/1.1\\r\\nHost: web-west.shop.svc.cluster.local:9000\\r\\n\\r\\nWHOAMI\\n' >&3; timeout 3 cat <&3"
     );

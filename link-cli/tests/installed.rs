@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
-    self, app_manifests, client_manifests, get_from_app, get_from_client, run_strait,
-    wait_installed, wait_ready, web_manifests,
+    self, app_manifests, client_manifests, get_from_app, get_from_client, proxy_service_ip,
+    run_strait, wait_installed, wait_ready, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::{ClusterConfig, ClusterTopology, images, kubectl, kubectl_output};
@@ -256,19 +256,7 @@ async fn strait_installs_on_real_nodes_carries_traffic_and_uninstalls() {
     for node in topology.real_nodes() {
         node.import_image(&next_archive).unwrap();
     }
-    let proxy_service = kubectl(
-        &kubeconfig,
-        &[
-            "get",
-            "svc",
-            "-n",
-            "strait-system",
-            "strait-proxy",
-            "-o",
-            "jsonpath={.spec.clusterIP}",
-        ],
-        None,
-    );
+    let proxy_service = proxy_service_ip(&kubeconfig).unwrap();
     let load_kubeconfig = kubeconfig.clone();
     let load = std::thread::spawn(move || {
         kubectl_output(

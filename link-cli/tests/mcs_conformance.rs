@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use strait_testenv::conformance::{self, RunOptions, SpecResult, SpecState, Summary};
 use strait_testenv::images::conformance_archives;
 use strait_testenv::installed::{
-    InstalledMesh, MeshOptions, apply, client_manifests, get_from_client, wait_ready, web_manifests,
+    InstalledMesh, MeshOptions, apply, client_manifests, until_web_answers, wait_ready,
+    web_manifests,
 };
 use strait_testenv::net::root_or_skip;
 
@@ -121,33 +122,16 @@ async fn strait_passes_the_required_mcs_conformance_specs() {
     apply(&east, &client_manifests()).unwrap();
     wait_ready(&west, "shop", "deployment/web").unwrap();
     wait_ready(&east, "shop", "deployment/client").unwrap();
-    mesh.strait(&[
-        "export",
-        "--clusterset",
-        "svc/web",
-        "-n",
-        "shop",
-        "--kubeconfig",
-        &west.display().to_string(),
-    ])
+    mesh.export_clusterset(&west, "shop", "web").unwrap();
+    let (body, took) = until_web_answers(
+        &east,
+        "http://web.shop.svc.clusterset.local/",
+        Duration::from_secs(60),
+    )
     .unwrap();
-    let started = Instant::now();
-    let body = loop {
-        let out = get_from_client(&east, "http://web.shop.svc.clusterset.local/", None);
-        let body = String::from_utf8_lossy(&out.stdout).into_owned();
-        if out.status.success() && body.contains("\"pod\":\"web-") {
-            break body;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "web.shop.svc.clusterset.local from east: {body}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    };
     eprintln!(
         "MEASURED export in west → first call from east by its clusterset name: {:.1}s",
-        started.elapsed().as_secs_f64()
+        took.as_secs_f64()
     );
     assert!(
         body.contains("spiffe://east.clusterset.local/ns/shop/sa/client"),

@@ -420,6 +420,24 @@ impl InstalledMesh {
         run_strait(&self.strait, args)
     }
 
+    /// `strait export --clusterset svc/SERVICE -n NAMESPACE` in the cluster of `kubeconfig`.
+    pub fn export_clusterset(
+        &self,
+        kubeconfig: &Path,
+        namespace: &str,
+        service: &str,
+    ) -> anyhow::Result<String> {
+        self.strait(&[
+            "export",
+            "--clusterset",
+            &format!("svc/{service}"),
+            "-n",
+            namespace,
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+        ])
+    }
+
     /// The trust anchor and issuers' files.
     pub fn identity_dir(&self) -> &Path {
         self.work.path()
@@ -579,6 +597,51 @@ pub fn get_from_app(kubeconfig: &Path, url: &str, http2: bool) -> std::process::
         args.push("--http2");
     }
     kubectl_output(kubeconfig, &args, None)
+}
+
+/// The ClusterIP of the `strait-system/strait-proxy` Service (the node
+/// proxies' HTTP proxy port, 4140, as pods reach it).
+pub fn proxy_service_ip(kubeconfig: &Path) -> anyhow::Result<IpAddr> {
+    let out = crate::kubectl(
+        kubeconfig,
+        &[
+            "get",
+            "svc",
+            "-n",
+            "strait-system",
+            "strait-proxy",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ],
+        None,
+    );
+    out.trim()
+        .parse()
+        .with_context(|| format!("the strait-proxy Service's ClusterIP: {out:?}"))
+}
+
+/// GETs `url` from the `client` pod ([`get_from_client`]) until a `web` pod
+/// answers, at most `limit`: its answer and how long it took.
+pub fn until_web_answers(
+    kubeconfig: &Path,
+    url: &str,
+    limit: Duration,
+) -> anyhow::Result<(String, Duration)> {
+    let started = Instant::now();
+    loop {
+        let out = get_from_client(kubeconfig, url, None);
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && body.contains("\"pod\":\"web-") {
+            return Ok((body, started.elapsed()));
+        }
+        if started.elapsed() >= limit {
+            bail!(
+                "{url} from the client pod: no web pod answered within {limit:?}: {body}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// `strait-backend --get URL` run in the `client` pod (`kubectl exec`):
