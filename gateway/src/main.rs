@@ -46,6 +46,14 @@ struct Args {
     /// and mTLS on the same port, for the mirror controllers' probes).
     #[arg(long, env = "STRAIT_ADMIN_ADDR", default_value = "0.0.0.0:4191")]
     admin_addr: SocketAddr,
+    /// A file holding the secret (at least 32 bytes) every replica of this
+    /// cluster's gateway derives its QUIC stateless resets from, so a
+    /// replacement resets the connections its predecessor held at once
+    /// (`strait install` makes it: Secret `strait-gateway-reset-key`). Without
+    /// it (or if the file is missing) each process has a random one: peers of
+    /// a crashed gateway wait out the idle timeout.
+    #[arg(long, env = "STRAIT_STATELESS_RESET_KEY_FILE")]
+    stateless_reset_key_file: Option<std::path::PathBuf>,
     /// How long open streams may finish after SIGTERM.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
@@ -117,8 +125,28 @@ async fn main() -> anyhow::Result<()> {
         Some(admin_tls),
     )
     .await?;
-    let endpoint = quic::endpoint(args.listen_addr, Some(quic::server_config((*tls).clone())?))
-        .with_context(|| format!("binding QUIC on udp {}", args.listen_addr))?;
+    let reset_key = match &args.stateless_reset_key_file {
+        Some(path) if !path.exists() => {
+            tracing::warn!(
+                path = %path.display(),
+                "no stateless-reset key (Secret strait-gateway-reset-key, made by `strait install`): this replica resets only its own connections; peers of a crashed predecessor wait out the idle timeout"
+            );
+            None
+        }
+        Some(path) => Some(std::fs::read(path).with_context(|| {
+            format!(
+                "reading the stateless-reset key {} (--stateless-reset-key-file)",
+                path.display()
+            )
+        })?),
+        None => None,
+    };
+    let endpoint = quic::endpoint_with_reset_key(
+        args.listen_addr,
+        Some(quic::server_config((*tls).clone())?),
+        reset_key.as_deref(),
+    )
+    .with_context(|| format!("binding QUIC on udp {}", args.listen_addr))?;
     let tcp = tokio::net::TcpListener::bind(args.listen_addr)
         .await
         .with_context(|| format!("binding the TCP fallback on tcp {}", args.listen_addr))?;

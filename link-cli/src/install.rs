@@ -91,6 +91,8 @@ const MANIFESTS: &[(&str, &str)] = &[
 const TRANSPARENT_PATCH: &str = include_str!("../../deploy/proxy/transparent/daemonset-patch.yaml");
 
 pub const ISSUER_SECRET: &str = "strait-identity-issuer";
+/// The gateways' shared QUIC stateless-reset secret.
+const GATEWAY_RESET_KEY_SECRET: &str = "strait-gateway-reset-key";
 const ISSUER_CN_PREFIX: &str = "strait issuer ";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -519,6 +521,16 @@ fn render(args: &InstallArgs, id: &ClusterIdentity) -> anyhow::Result<Vec<Value>
                      "labels": {"app.kubernetes.io/part-of": "strait", "app.kubernetes.io/component": "identity", CLUSTER_NAME_LABEL: id.cluster}},
         "data": {"tls.crt": b64(&id.issuer_cert), "tls.key": b64(&id.issuer_key), "ca.crt": b64(&id.bundle)},
     }));
+    // The gateways' shared QUIC stateless-reset secret (a new one per render).
+    let mut reset_key = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut reset_key)
+        .map_err(|_| anyhow::anyhow!("no system randomness for the gateway's reset key"))?;
+    extra.push(json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": GATEWAY_RESET_KEY_SECRET, "namespace": SYSTEM_NAMESPACE,
+                     "labels": {"app.kubernetes.io/part-of": "strait", "app.kubernetes.io/component": "gateway", CLUSTER_NAME_LABEL: id.cluster}},
+        "data": {"key": base64::engine::general_purpose::STANDARD.encode(reset_key)},
+    }));
     objects.extend(extra);
     objects.sort_by_key(|o| kind_rank(o["kind"].as_str().unwrap_or("")));
     Ok(objects)
@@ -603,6 +615,7 @@ pub async fn uninstall(args: UninstallArgs) -> anyhow::Result<String> {
         objects.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": TRUST_ANCHORS_CONFIGMAP, "namespace": ns}}));
     }
     objects.push(json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": ISSUER_SECRET, "namespace": SYSTEM_NAMESPACE}}));
+    objects.push(json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": GATEWAY_RESET_KEY_SECRET, "namespace": SYSTEM_NAMESPACE}}));
     // Access that `strait link` gave other clusters to this one (cluster-scoped: not
     // removed with the namespace).
     let link_accounts = Api::<ServiceAccount>::namespaced(client.clone(), LINK_NAMESPACE)

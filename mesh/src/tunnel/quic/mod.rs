@@ -125,10 +125,52 @@ pub fn endpoint(
     addr: SocketAddr,
     server: Option<quinn::ServerConfig>,
 ) -> std::io::Result<quinn::Endpoint> {
+    endpoint_with_reset_key(addr, server, None)
+}
+
+/// The shortest stateless-reset secret accepted (HMAC-SHA256's output size).
+pub const MIN_RESET_KEY_BYTES: usize = 32;
+
+/// [`endpoint`] whose stateless resets (RFC 9000 §10.3) derive from
+/// `reset_key` instead of a random secret of its own. Every replica of one
+/// cluster's gateway given the same secret can reset a connection another
+/// replica (or a crashed predecessor at the same address) accepted: a peer
+/// whose packets reach the new process learns at once that its connection is
+/// gone, instead of waiting out the idle timeout. The secret must stay secret
+/// (knowing it and a connection ID, anyone could end that connection).
+pub fn endpoint_with_reset_key(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+    reset_key: Option<&[u8]>,
+) -> std::io::Result<quinn::Endpoint> {
     let socket = udp_socket(addr)?;
     let runtime = quinn::default_runtime()
         .ok_or_else(|| std::io::Error::other("no async runtime for QUIC"))?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), server, socket, runtime)
+    let config = match reset_key {
+        Some(key) if key.len() < MIN_RESET_KEY_BYTES => {
+            return Err(std::io::Error::other(format!(
+                "a stateless-reset key of {} bytes is too short: give at least {MIN_RESET_KEY_BYTES} random bytes",
+                key.len()
+            )));
+        }
+        Some(key) => {
+            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+            // Connection IDs must validate across replicas too: a packet
+            // whose ID this process did not issue is otherwise dropped as
+            // garbage before a reset is considered.
+            let tag = ring::hmac::sign(&key, b"strait quic connection ids");
+            let mut cid_key = [0u8; 8];
+            cid_key.copy_from_slice(&tag.as_ref()[..8]);
+            let cid_key = u64::from_le_bytes(cid_key);
+            let mut config = quinn::EndpointConfig::new(Arc::new(key));
+            config.cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+            });
+            config
+        }
+        None => quinn::EndpointConfig::default(),
+    };
+    quinn::Endpoint::new(config, server, socket, runtime)
 }
 
 /// The reserved target of a probe: a gateway answers a stream naming it with
@@ -566,3 +608,6 @@ impl GatewayClient {
         super::client::connect_tls(self.tcp_tls(identity)?, tcp, addr, identity).await
     }
 }
+
+#[cfg(test)]
+mod reset_tests;
