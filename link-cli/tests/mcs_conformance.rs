@@ -13,6 +13,7 @@
 //! of the suite's own summaries go to the log. Needs root (real nodes);
 //! ~16 min (the Connectivity specs wait out their timeouts).
 
+use std::io::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -33,10 +34,12 @@ fn options(kubeconfig: &Path, label_filter: &str, report_dir: &Path) -> RunOptio
 }
 
 /// The counts, one greppable line each ([`conformance::run_with`] has
-/// already printed the whole summary).
+/// already printed the whole summary). Straight to the stderr stream: CI's
+/// log shows them for a passing test too.
 fn report(summary: &Summary) {
     for state in [SpecState::Passed, SpecState::Failed, SpecState::Skipped] {
-        eprintln!(
+        let _ = writeln!(
+            std::io::stderr(),
             "MEASURED MCS conformance {:?}: {} {state}",
             summary.label_filter,
             summary.in_state(state).count()
@@ -70,7 +73,8 @@ async fn strait_passes_the_required_mcs_conformance_specs() {
     )
     .await
     .expect("Strait installed in two real-node clusters, linked both ways");
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "MEASURED suite built, two real-node clusters up, Strait installed and linked both ways: {:.1}s",
         started.elapsed().as_secs_f64()
     );
@@ -129,7 +133,8 @@ async fn strait_passes_the_required_mcs_conformance_specs() {
         Duration::from_secs(60),
     )
     .unwrap();
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "MEASURED export in west → first call from east by its clusterset name: {:.1}s",
         took.as_secs_f64()
     );

@@ -449,7 +449,10 @@ pub fn run_with(binary: &Path, options: &RunOptions) -> Result<Summary, RunError
         path: json_path,
         message,
     })?;
-    eprintln!("{summary}");
+    // Straight to the stderr stream, not `eprintln!`: the test harness keeps
+    // a passing test's `eprintln!` to itself, and CI's log must show the
+    // suite's summary whether it passed or not.
+    let _ = writeln!(std::io::stderr(), "{summary}");
     Ok(summary)
 }
 
