@@ -46,6 +46,30 @@ impl EndToEnd {
     }
 }
 
+/// What to do with a held identity, given the pod it is fetched for and the
+/// pods of its account on the node now.
+#[derive(Debug, PartialEq, Eq)]
+enum Follow {
+    Keep,
+    Rebind(PodRef),
+    Drop,
+}
+
+fn follow(bound: Option<&PodRef>, pods: &[PodRef]) -> Follow {
+    match (bound, pods.first()) {
+        (_, None) => Follow::Drop,
+        (Some(bound), Some(_)) if pods.contains(bound) => Follow::Keep,
+        // The oldest name first would need creation times; any pod of the
+        // account serves, and the lowest name keeps the choice stable.
+        (_, Some(_)) => Follow::Rebind(
+            pods.iter()
+                .min_by(|a, b| a.name.cmp(&b.name))
+                .cloned()
+                .expect("not empty"),
+        ),
+    }
+}
+
 /// Identities of this node's pods, by (namespace, service account).
 #[derive(Debug)]
 pub struct PodIdentities {
@@ -103,6 +127,68 @@ impl PodIdentities {
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, identity.clone());
         Ok(identity)
+    }
+
+    /// Keeps each held identity bound to a pod that still runs on this node
+    /// (`local`: the node's pods now): the issuer certifies an account only
+    /// on behalf of one of its pods here, so when the pod an identity was
+    /// fetched for leaves, the next refresh names another pod of that
+    /// account (at once, proving it); when none is left, the identity is
+    /// dropped (no refreshes, no server config, no metric series).
+    pub async fn follow_pods<'a>(
+        &self,
+        local: impl IntoIterator<Item = &'a strait_mesh::discovery::PodInfo>,
+    ) {
+        let mut by_account: HashMap<(String, String), Vec<PodRef>> = HashMap::new();
+        for pod in local {
+            by_account
+                .entry((pod.namespace.clone(), pod.service_account.clone()))
+                .or_default()
+                .push(PodRef {
+                    namespace: pod.namespace.clone(),
+                    name: pod.name.clone(),
+                });
+        }
+        let held: Vec<((String, String), Arc<ManagedIdentity>)> = self
+            .by_account
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, identity) in held {
+            let pods = by_account.get(&key).map(Vec::as_slice).unwrap_or_default();
+            match follow(identity.pod().as_ref(), pods) {
+                Follow::Keep => {}
+                Follow::Rebind(pod) => {
+                    tracing::info!(
+                        namespace = %key.0, account = %key.1, pod = %pod.name,
+                        "the pod this identity was fetched for left the node: refreshing it for another pod of the account"
+                    );
+                    identity.rebind(pod);
+                }
+                Follow::Drop => {
+                    tracing::info!(namespace = %key.0, account = %key.1, "no pod of this account is left on the node: dropping its identity");
+                    self.by_account
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .retain(|k, held| !(k == &key && Arc::ptr_eq(held, &identity)));
+                    self.server_configs
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&key);
+                    self.store.forget(&identity).await;
+                }
+            }
+        }
+    }
+
+    /// Identities held now (one per ServiceAccount with pods on this node).
+    pub fn held(&self) -> usize {
+        self.by_account
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     fn lookup(&self, key: &(String, String)) -> Option<Arc<ManagedIdentity>> {
@@ -175,5 +261,31 @@ impl PodIdentities {
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, config.clone());
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str) -> PodRef {
+        PodRef {
+            namespace: "shop".into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn an_identity_follows_the_pods_of_its_account() {
+        // Its pod is still there: nothing changes.
+        assert_eq!(follow(Some(&pod("a")), &[pod("b"), pod("a")]), Follow::Keep);
+        // Its pod left, another of the account runs: fetched for that one.
+        assert_eq!(
+            follow(Some(&pod("a")), &[pod("c"), pod("b")]),
+            Follow::Rebind(pod("b"))
+        );
+        // None left: dropped.
+        assert_eq!(follow(Some(&pod("a")), &[]), Follow::Drop);
+        assert_eq!(follow(None, &[]), Follow::Drop);
     }
 }

@@ -211,6 +211,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         Some(gateways),
     );
     forget_gone(outbound.clone(), discovery.updates());
+    follow_pods(identities.clone(), discovery.updates());
     let mut transparent_mode = None;
     if let Some(path) = &args.enroll_socket {
         let upstream = args.dns_upstream.or_else(|| {
@@ -433,6 +434,24 @@ async fn being_uninstalled(client: &kube::Client, namespace: &str) -> bool {
 
 /// Forgets the latency statistics and the pooled connections of endpoints
 /// that are gone (bounded memory), on the calling thread's runtime.
+/// Keeps each held pod identity bound to a pod of its account on this node,
+/// and drops it when none is left ([`PodIdentities::follow_pods`]).
+fn follow_pods(
+    identities: Arc<PodIdentities>,
+    mut updates: tokio::sync::watch::Receiver<Arc<strait_mesh::discovery::Snapshot>>,
+) {
+    tokio::spawn(async move {
+        while updates.changed().await.is_ok() {
+            let snapshot = updates.borrow_and_update().clone();
+            if snapshot.is_synced() {
+                identities
+                    .follow_pods(snapshot.local_pods().map(|p| p.as_ref()))
+                    .await;
+            }
+        }
+    });
+}
+
 fn forget_gone(
     outbound: Arc<Outbound>,
     mut updates: tokio::sync::watch::Receiver<Arc<strait_mesh::discovery::Snapshot>>,

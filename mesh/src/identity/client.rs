@@ -326,6 +326,11 @@ pub struct ManagedIdentity {
     slot: Arc<CertSlot>,
     id: watch::Receiver<Option<SpiffeId>>,
     expires_at: Arc<AtomicI64>,
+    /// The pod the issuer is asked for (a node proxy's identities): it may
+    /// change to another pod of the same account ([`ManagedIdentity::rebind`]).
+    pod: Arc<std::sync::Mutex<Option<PodRef>>>,
+    /// Wakes the refresher for a fetch now.
+    refresh_now: Arc<tokio::sync::Notify>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -346,14 +351,17 @@ impl ManagedIdentity {
     ) -> Result<Self, IssueError> {
         let slot = CertSlot::new();
         let expires_at = Arc::new(AtomicI64::new(0));
+        let pod = Arc::new(std::sync::Mutex::new(pod));
+        let refresh_now = Arc::new(tokio::sync::Notify::new());
         let worker = Worker {
             client,
             token,
-            pod,
+            pod: pod.clone(),
             policy,
             metrics,
             slot: slot.clone(),
             expires_at: expires_at.clone(),
+            refresh_now: refresh_now.clone(),
         };
         let (issued_at, first_id) = worker.fetch_once().await?;
         let (tx, rx) = watch::channel(Some(first_id));
@@ -362,8 +370,26 @@ impl ManagedIdentity {
             slot,
             id: rx,
             expires_at,
+            pod,
+            refresh_now,
             task,
         })
+    }
+
+    /// The pod this identity is fetched for (`None`: the holder's own).
+    pub fn pod(&self) -> Option<PodRef> {
+        self.pod.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Fetches this identity for `pod` from now on, at once: the pod it was
+    /// fetched for left the node while another pod of the same account still
+    /// runs there (the issuer certifies a node agent only for its node's
+    /// pods, so a refresh naming the gone pod would fail until the
+    /// certificate expired). The fetch now proves the new binding; a failure
+    /// keeps the valid certificate and is retried with the usual backoff.
+    pub fn rebind(&self, pod: PodRef) {
+        *self.pod.lock().unwrap_or_else(|e| e.into_inner()) = Some(pod);
+        self.refresh_now.notify_one();
     }
 
     /// The certificate slot to hand to rustls configs.
@@ -387,11 +413,12 @@ impl ManagedIdentity {
 struct Worker {
     client: IssuerClient,
     token: TokenSource,
-    pod: Option<PodRef>,
+    pod: Arc<std::sync::Mutex<Option<PodRef>>>,
     policy: RefreshPolicy,
     metrics: IdentityMetrics,
     slot: Arc<CertSlot>,
     expires_at: Arc<AtomicI64>,
+    refresh_now: Arc<tokio::sync::Notify>,
 }
 
 fn unix_now() -> i64 {
@@ -418,7 +445,8 @@ impl Worker {
     async fn fetch_inner(&self) -> Result<(i64, SpiffeId), IssueError> {
         let issued_at = unix_now();
         let token = self.token.read().await?;
-        let (response, key_pem) = self.client.issue(&token, self.pod.as_ref()).await?;
+        let pod = self.pod.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (response, key_pem) = self.client.issue(&token, pod.as_ref()).await?;
         let mut chain = certs::parse_certs("issued certificate", response.certificate.as_bytes())
             .map_err(|e| IssueError::BadResponse(e.to_string()))?;
         chain.extend(
@@ -475,6 +503,7 @@ impl Worker {
             let wait = Duration::from_secs((refresh_at - unix_now()).max(0) as u64);
             let rotated = tokio::select! {
                 _ = tokio::time::sleep(wait) => false,
+                _ = self.refresh_now.notified() => false,
                 changed = anchors.changed() => changed.is_ok(),
             };
             if rotated {
@@ -586,9 +615,19 @@ impl IdentityStore {
         retry_transient(|| self.get(None)).await
     }
 
-    /// Stops refreshing a pod's identity (the pod left the node).
-    pub async fn forget(&self, pod: &PodRef) {
-        self.identities.lock().await.remove(&Some(pod.clone()));
+    /// Stops holding `identity` (no pod of its account is left on the node):
+    /// its refresher stops with the last connection using it, and its
+    /// per-identity metric series go.
+    pub async fn forget(&self, identity: &Arc<ManagedIdentity>) {
+        self.identities
+            .lock()
+            .await
+            .retain(|_, held| !Arc::ptr_eq(held, identity));
+        let labels = IdentityLabels {
+            identity: identity.id().to_string(),
+        };
+        self.metrics.expiry.remove(&labels);
+        self.metrics.active_anchor.remove(&labels);
     }
 }
 
