@@ -1,8 +1,10 @@
 //! Bounds on what pods and peers control, on real node proxies (testenv
-//! nodes, root): a node proxy's pod identities follow the pods of their
-//! ServiceAccount on the node.
+//! nodes, root): a hung (SIGSTOPped) gateway or node proxy fails its callers
+//! within a bound instead of holding them; a node proxy's pod identities
+//! follow the pods of their ServiceAccount on the node.
 
-use std::time::Duration;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -97,4 +99,106 @@ async fn a_pod_identity_follows_the_pods_of_its_account_and_goes_with_the_last()
         },
     )
     .await;
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+/// What a hung gateway may cost a caller: a stream on a live connection
+/// waits for the QUIC idle timeout (5 s after the last packet heard); a new
+/// one for the QUIC handshake (2 s) raced by TCP from 0.5 s, whose TLS
+/// handshake to a silent peer gives up after 5 s. ARCHITECTURE.md "Limits".
+const HUNG_PEER_BOUND: Duration = Duration::from_millis(5_500);
+/// Scheduling slack on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_millis(1_500);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_gateway_or_node_proxy_fails_its_callers_within_the_bound() {
+    let Some(mut mesh) = small_mesh("0s").await else {
+        return;
+    };
+    let (gw_pod, gw) = start_gateway(&mut mesh, 1, &[]).await;
+    let gw_pid = gw.pid().unwrap();
+    mesh.proxies.push(gw);
+    let gw_addr = SocketAddr::new(IpAddr::V4(gw_pod.ip()), 4143);
+    let gateway_id: strait_mesh::identity::SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
+    let bundle =
+        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (cert, _) = component_identity(&mesh, "strait-proxy");
+    let connected =
+        strait_mesh::tunnel::quic::GatewayClient::new(bundle.clone(), cert.clone()).unwrap();
+    connected.probe(gw_addr, &gateway_id).await.unwrap();
+    assert_eq!(connected.transport(gw_addr, &gateway_id), "quic");
+
+    signal(gw_pid, "-STOP");
+    // A caller with a live QUIC connection, and one that must connect anew
+    // (QUIC times out, TCP connects to the stopped process's backlog, its
+    // TLS handshake hears nothing).
+    let fresh = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();
+    let started = Instant::now();
+    let (on_live, on_new) = tokio::join!(
+        async {
+            let r = connected.probe(gw_addr, &gateway_id).await;
+            (r, started.elapsed())
+        },
+        async {
+            let r = fresh.probe(gw_addr, &gateway_id).await;
+            (r, started.elapsed())
+        },
+    );
+    eprintln!(
+        "MEASURED hung gateway: live connection failed after {:?}, new connection after {:?}",
+        on_live.1, on_new.1
+    );
+    assert!(on_live.0.is_err(), "{:?}", on_live.0);
+    assert!(on_new.0.is_err(), "{:?}", on_new.0);
+    for (what, took) in [("live", on_live.1), ("new", on_new.1)] {
+        assert!(
+            took <= HUNG_PEER_BOUND + SLACK,
+            "a {what} connection waited {took:?} for a hung gateway"
+        );
+    }
+    signal(gw_pid, "-CONT");
+
+    // A hung destination node proxy (node 2 serves lazy-1, not called yet:
+    // no pooled tunnel there): the caller's proxy answers within the TLS
+    // handshake bound instead of holding the request, and does not retry the
+    // hung endpoint.
+    let web_proxy = mesh.proxies[1].pid().unwrap();
+    signal(web_proxy, "-STOP");
+    let proxy = format!("http://{}:4140", mesh.topology.nodes()[0].ip());
+    let started = Instant::now();
+    let out = pod(&mesh, "client")
+        .command("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "30",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-x", &proxy, "http://lazy.shop/"])
+        .output()
+        .expect("run curl in the pod");
+    let took = started.elapsed();
+    signal(web_proxy, "-CONT");
+    let status = String::from_utf8_lossy(&out.stdout).to_string();
+    eprintln!("MEASURED hung node proxy: answered {status} after {took:?}");
+    assert!(status.starts_with('5'), "answered {status:?}");
+    assert!(
+        took <= strait_mesh::tunnel::client::TLS_HANDSHAKE_TIMEOUT + SLACK,
+        "the caller waited {took:?} for a hung node proxy"
+    );
 }

@@ -57,6 +57,13 @@ impl TunnelError {
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the receiver may take to answer the header.
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client's TLS handshake may take once TCP is connected. A
+/// stopped (SIGSTOP, hung) peer still completes TCP handshakes from its
+/// listen backlog and then says nothing: without this bound a tunnel to it
+/// would wait forever. TLS 1.3 needs one round trip; 5 s leaves several
+/// retransmissions on a lossy WAN path and equals the QUIC idle timeout, so
+/// either transport gives up on a hung gateway in about the same time.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Sends `header` on an established stream and reads the receiver's answer;
 /// the stream is then ready for application bytes. `node` names the peer in
@@ -96,14 +103,25 @@ pub(crate) async fn connect_tls(
     identity: &SpiffeId,
 ) -> Result<ClientTls, TunnelError> {
     let _ = tcp.set_nodelay(true);
-    tokio_rustls::TlsConnector::from(config)
-        .connect(server_name_for(identity), ReadAhead::new(tcp))
-        .await
-        .map_err(|source| TunnelError::Tls {
+    let connecting = tokio_rustls::TlsConnector::from(config)
+        .connect(server_name_for(identity), ReadAhead::new(tcp));
+    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, connecting).await {
+        Ok(connected) => connected.map_err(|source| TunnelError::Tls {
             node,
             identity: identity.clone(),
             source,
-        })
+        }),
+        Err(_) => Err(TunnelError::Tls {
+            node,
+            identity: identity.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no TLS handshake within {TLS_HANDSHAKE_TIMEOUT:?}: the peer accepted TCP but does not answer (hung or stopped?)"
+                ),
+            ),
+        }),
+    }
 }
 
 /// Opens a tunnel to `pod` through the node proxy at `node`: TCP, mutual TLS

@@ -35,16 +35,35 @@ const RETRYABLE_STATUSES: [StatusCode; 3] = [
 #[derive(Debug)]
 struct SendError {
     connect: bool,
+    /// The endpoint did not answer in time while connecting (TCP or TLS
+    /// timed out): hung or unreachable, so no attempt of this request goes
+    /// there again.
+    timed_out: bool,
     message: String,
 }
 
 impl SendError {
-    fn connect(e: impl std::fmt::Display) -> Self {
+    fn connect(e: impl std::error::Error + 'static) -> Self {
         Self {
             connect: true,
+            timed_out: timed_out(&e),
             message: e.to_string(),
         }
     }
+}
+
+/// Whether `e` or an error it was caused by is an I/O time-out.
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 impl From<hyper_util::client::legacy::Error> for SendError {
@@ -53,6 +72,7 @@ impl From<hyper_util::client::legacy::Error> for SendError {
             std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
         Self {
             connect: e.is_connect(),
+            timed_out: e.is_connect() && timed_out(&e),
             message,
         }
     }
@@ -136,18 +156,30 @@ impl Outbound {
         budget.deposit(Instant::now());
         let source = caller.identity.id();
         let mut tried: Vec<SocketAddr> = Vec::new();
+        // Endpoints that timed out connecting: never tried again by this
+        // request (a hung peer would cost the time-out each time).
+        let mut hung: Vec<SocketAddr> = Vec::new();
         let mut attempt = 0;
         loop {
             attempt += 1;
-            // A retry goes elsewhere if it can.
+            // A retry goes elsewhere if it can, and never to a hung endpoint.
             let candidates: Vec<Endpoint> = if tried.is_empty() {
                 Vec::new()
             } else {
-                endpoints
+                let untried: Vec<Endpoint> = endpoints
                     .iter()
                     .filter(|e| !tried.contains(&e.addr))
                     .cloned()
-                    .collect()
+                    .collect();
+                if untried.is_empty() {
+                    endpoints
+                        .iter()
+                        .filter(|e| !hung.contains(&e.addr))
+                        .cloned()
+                        .collect()
+                } else {
+                    untried
+                }
             };
             let Some(endpoint) = self.balancer.pick(if candidates.is_empty() {
                 &endpoints
@@ -201,7 +233,11 @@ impl Outbound {
                 result.as_ref().ok().map(|r| r.status()),
                 elapsed.as_secs_f64(),
             );
-            if retry && attempt < MAX_ATTEMPTS {
+            if matches!(&result, Err(e) if e.timed_out) {
+                hung.push(endpoint.addr);
+            }
+            let elsewhere = endpoints.iter().any(|e| !hung.contains(&e.addr));
+            if retry && attempt < MAX_ATTEMPTS && elsewhere {
                 if budget.withdraw(Instant::now()) {
                     series.retry();
                     tracing::debug!(endpoint = %endpoint.addr, attempt, "retrying on another endpoint");
@@ -312,6 +348,7 @@ impl Outbound {
         sender.ready().await.map_err(SendError::connect)?;
         sender.send_request(request).await.map_err(|e| SendError {
             connect: false,
+            timed_out: false,
             message: e.to_string(),
         })
     }
@@ -334,9 +371,13 @@ mod tests {
 
     #[test]
     fn only_replayable_requests_that_got_no_answer_or_were_refused_are_retried() {
-        let never_sent = SendError::connect("connection refused");
+        let never_sent =
+            SendError::connect(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!never_sent.timed_out);
+        assert!(SendError::connect(std::io::Error::from(std::io::ErrorKind::TimedOut)).timed_out);
         let lost = SendError {
             connect: false,
+            timed_out: false,
             message: "connection reset mid-response".into(),
         };
         assert!(retryable(true, Err(&never_sent)));

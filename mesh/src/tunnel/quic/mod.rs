@@ -195,6 +195,32 @@ pub const TUNNEL_H2_ALPN: &[u8] = b"strait-tunnel-h2/1";
 /// names the real target).
 pub const H2_AUTHORITY: &str = "tunnel.strait.internal:4143";
 
+/// How long a new stream may wait for the gateway's permission to open
+/// (its stream limit, [`MAX_STREAMS_PER_CONNECTION`], is reached until it
+/// grants more): as long as a silent connection lives, so a caller never
+/// waits longer for a stream than for a dead connection.
+pub const OPEN_STREAM_TIMEOUT: Duration = IDLE_TIMEOUT;
+
+/// A new bidirectional stream on `connection`, within [`OPEN_STREAM_TIMEOUT`].
+async fn open_bi(
+    connection: &quinn::Connection,
+    addr: SocketAddr,
+) -> Result<(quinn::SendStream, quinn::RecvStream), TunnelError> {
+    match tokio::time::timeout(OPEN_STREAM_TIMEOUT, connection.open_bi()).await {
+        Ok(Ok(stream)) => Ok(stream),
+        Ok(Err(e)) => Err(TunnelError::Protocol(format!("QUIC stream: {e}"), addr)),
+        Err(_) => Err(TunnelError::Connect {
+            node: addr,
+            source: std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the gateway granted no new stream within {OPEN_STREAM_TIMEOUT:?} ({MAX_STREAMS_PER_CONNECTION} open on this connection?)"
+                ),
+            ),
+        }),
+    }
+}
+
 /// What the client knows about one gateway (address and identity).
 #[derive(Default)]
 struct GatewayState {
@@ -346,21 +372,36 @@ impl GatewayClient {
         };
         let h2_error =
             |e: hyper::Error| TunnelError::Protocol(format!("HTTP/2 CONNECT: {e}"), addr);
-        sender.ready().await.map_err(h2_error)?;
-        let request = http::Request::builder()
-            .method(http::Method::CONNECT)
-            .uri(H2_AUTHORITY)
-            .body(http_body_util::Empty::new())
-            .map_err(|e| TunnelError::Protocol(e.to_string(), addr))?;
-        let response = sender.send_request(request).await.map_err(h2_error)?;
-        if response.status() != http::StatusCode::OK {
-            return Err(TunnelError::Protocol(
-                format!("the gateway answered CONNECT with {}", response.status()),
-                addr,
-            ));
-        }
-        let upgraded = hyper::upgrade::on(response).await.map_err(h2_error)?;
-        Ok(GatewayStream::H2(hyper_util::rt::TokioIo::new(upgraded)))
+        // The gateway grants streams (its limit) and answers CONNECT within
+        // the header's time, or the stream is given up.
+        let connect = async {
+            sender.ready().await.map_err(h2_error)?;
+            let request = http::Request::builder()
+                .method(http::Method::CONNECT)
+                .uri(H2_AUTHORITY)
+                .body(http_body_util::Empty::new())
+                .map_err(|e| TunnelError::Protocol(e.to_string(), addr))?;
+            let response = sender.send_request(request).await.map_err(h2_error)?;
+            if response.status() != http::StatusCode::OK {
+                return Err(TunnelError::Protocol(
+                    format!("the gateway answered CONNECT with {}", response.status()),
+                    addr,
+                ));
+            }
+            let upgraded = hyper::upgrade::on(response).await.map_err(h2_error)?;
+            Ok(GatewayStream::H2(hyper_util::rt::TokioIo::new(upgraded)))
+        };
+        tokio::time::timeout(super::client::RESPONSE_TIMEOUT, connect)
+            .await
+            .map_err(|_| {
+                TunnelError::Protocol(
+                    format!(
+                        "the gateway did not answer HTTP/2 CONNECT within {:?}",
+                        super::client::RESPONSE_TIMEOUT
+                    ),
+                    addr,
+                )
+            })?
     }
 
     /// Opens a stream to the gateway at `addr` (which must prove `identity`)
@@ -372,7 +413,7 @@ impl GatewayClient {
         header: &TunnelHeader,
     ) -> Result<GatewayStream, TunnelError> {
         match self.quic_now(addr, identity) {
-            QuicNow::Live(connection) => match connection.open_bi().await {
+            QuicNow::Live(connection) => match open_bi(&connection, addr).await {
                 Ok((send, recv)) => {
                     let stream = tokio::io::join(recv, send);
                     return handshake(GatewayStream::Quic(stream), header, addr).await;
@@ -411,7 +452,7 @@ impl GatewayClient {
         let handshake = tokio::spawn(async move { this.connect_quic(addr, &id).await });
         let quic = async {
             let connection = handshake.await.ok()??;
-            let (send, recv) = connection.open_bi().await.ok()?;
+            let (send, recv) = open_bi(&connection, addr).await.ok()?;
             Some(GatewayStream::Quic(tokio::io::join(recv, send)))
         };
         let tcp = async {
@@ -605,7 +646,15 @@ impl GatewayClient {
                 return Err(timed_out());
             }
         };
-        super::client::connect_tls(self.tcp_tls(identity)?, tcp, addr, identity).await
+        let tls = super::client::connect_tls(self.tcp_tls(identity)?, tcp, addr, identity).await;
+        if let Err(TunnelError::Tls { source, .. }) = &tls
+            && source.kind() == std::io::ErrorKind::TimedOut
+        {
+            // Accepted TCP, then silence: hung, as good as unreachable.
+            let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+            gateways.entry(key).or_default().tcp_down_until = Some(Instant::now() + TCP_HOLD_DOWN);
+        }
+        tls
     }
 }
 
