@@ -55,6 +55,12 @@ struct Args {
     #[arg(long, env = "STRAIT_STATELESS_RESET_KEY_FILE")]
     stateless_reset_key_file: Option<std::path::PathBuf>,
     /// How long open streams may finish after SIGTERM.
+    /// The most connections each transport (QUIC, TCP + TLS) holds at once,
+    /// handshakes included; past it QUIC connections are refused
+    /// (CONNECTION_REFUSED) and TCP ones closed, counted in
+    /// `listener_connections_refused_total`.
+    #[arg(long, env = "STRAIT_MAX_CONNECTIONS", default_value_t = strait_mesh::limits::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: Duration,
     #[command(flatten)]
@@ -80,6 +86,8 @@ async fn main() -> anyhow::Result<()> {
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
     identity_metrics.register(&mut registry);
+    let listener_metrics = strait_mesh::limits::ListenerMetrics::default();
+    listener_metrics.register(&mut registry);
     let registry = Arc::new(registry);
     let readiness = Readiness::default();
 
@@ -151,12 +159,17 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the TCP fallback on tcp {}", args.listen_addr))?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(
-        gateway
-            .clone()
-            .serve_quic(endpoint.clone(), stopped.clone()),
-    );
-    tokio::spawn(gateway.clone().serve_tcp(tcp, tcp_tls, stopped));
+    tokio::spawn(gateway.clone().serve_quic(
+        endpoint.clone(),
+        strait_mesh::limits::ConnLimit::new("quic", args.max_connections, &listener_metrics),
+        stopped.clone(),
+    ));
+    tokio::spawn(gateway.clone().serve_tcp(
+        tcp,
+        tcp_tls,
+        strait_mesh::limits::ConnLimit::new("tcp", args.max_connections, &listener_metrics),
+        stopped,
+    ));
     readiness.set_ready(true);
     tracing::info!(listen = %args.listen_addr, %admin, cluster = %args.cluster_name, "gateway ready (QUIC and TCP + TLS)");
 

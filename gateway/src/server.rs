@@ -25,6 +25,8 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use strait_mesh::limits::ConnLimit;
+
 use crate::policy;
 use crate::refusal::{Refusal, Revoked, ServiceName};
 
@@ -169,6 +171,7 @@ impl Gateway {
     pub async fn serve_quic(
         self: Arc<Self>,
         endpoint: quinn::Endpoint,
+        limit: ConnLimit,
         mut stop: watch::Receiver<bool>,
     ) {
         loop {
@@ -177,8 +180,13 @@ impl Gateway {
                 _ = stop.wait_for(|s| *s) => return,
             };
             let Some(incoming) = incoming else { return };
+            let Some(permit) = limit.try_acquire() else {
+                incoming.refuse();
+                continue;
+            };
             let this = self.clone();
             tokio::spawn(async move {
+                let _permit = permit;
                 let connection = match incoming.await {
                     Ok(c) => c,
                     Err(e) => {
@@ -222,6 +230,7 @@ impl Gateway {
         self: Arc<Self>,
         listener: TcpListener,
         tls: Arc<rustls::ServerConfig>,
+        limit: ConnLimit,
         mut stop: watch::Receiver<bool>,
     ) {
         let acceptor = tokio_rustls::TlsAcceptor::from(tls);
@@ -238,9 +247,14 @@ impl Gateway {
                     continue;
                 }
             };
+            let Some(permit) = limit.try_acquire() else {
+                drop(tcp);
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let (this, acceptor) = (self.clone(), acceptor.clone());
             tokio::spawn(async move {
+                let _permit = permit;
                 let tls = match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
                     acceptor.accept(strait_mesh::io::ReadAhead::new(tcp)),

@@ -11,6 +11,7 @@ pub mod discovery;
 pub mod identity;
 pub mod io;
 pub mod kubeconfig;
+pub mod limits;
 pub mod link;
 pub mod mcs;
 pub mod names;

@@ -155,12 +155,16 @@ impl Shutdown {
 }
 
 /// Accepts connections until the drain starts; each is handled in its own
-/// task that holds a drain guard. Accept errors (out of file descriptors)
-/// pause briefly instead of spinning.
+/// task that holds a drain guard and a place under `limit`. Past the limit a
+/// connection gets `refusal` (written if the socket takes it at once) and is
+/// closed. Accept errors (out of file descriptors) pause briefly instead of
+/// spinning.
 pub async fn serve_connections<F, Fut>(
     listener: tokio::net::TcpListener,
     drain: Drain,
     side: &'static str,
+    limit: strait_mesh::limits::ConnLimit,
+    refusal: &'static [u8],
     handle: F,
 ) where
     F: Fn(tokio::net::TcpStream, std::net::SocketAddr) -> Fut,
@@ -173,10 +177,15 @@ pub async fn serve_connections<F, Fut>(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let Some(permit) = limit.try_acquire() else {
+                    let _ = stream.try_write(refusal);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let (work, guard) = (handle(stream, peer), drain.guard());
                 tokio::spawn(async move {
                     let _guard = guard;
+                    let _permit = permit;
                     work.await
                 });
             }
@@ -245,6 +254,8 @@ mod tests {
             listener,
             drain,
             "test",
+            strait_mesh::limits::ConnLimit::new("test", 16, &Default::default()),
+            b"",
             |mut s, _| async move {
                 let mut buf = [0u8; 5];
                 if s.read_exact(&mut buf).await.is_ok() {
@@ -272,6 +283,47 @@ mod tests {
         assert!(
             tokio::net::TcpStream::connect(addr).await.is_err(),
             "the listener is closed after the drain"
+        );
+    }
+
+    #[tokio::test]
+    async fn past_the_connection_limit_a_connection_reads_the_refusal_and_is_closed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (drain, _shutdown) = Drain::new();
+        let limit = strait_mesh::limits::ConnLimit::new("test", 1, &Default::default());
+        tokio::spawn(serve_connections(
+            listener,
+            drain,
+            "test",
+            limit.clone(),
+            b"refused",
+            |mut s, _| async move {
+                // Holds its place until the client closes.
+                let mut buf = [0u8; 1];
+                let _ = s.read(&mut buf).await;
+            },
+        ));
+        let held = tokio::net::TcpStream::connect(addr).await.unwrap();
+        while limit.open() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut over = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut answer = Vec::new();
+        over.read_to_end(&mut answer).await.unwrap();
+        assert_eq!(answer, b"refused");
+        // Its place is free again once the first closes.
+        drop(held);
+        while limit.open() != 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut again = tokio::net::TcpStream::connect(addr).await.unwrap();
+        again.write_all(b"x").await.unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(
+            again.read(&mut buf).await.unwrap(),
+            0,
+            "served, not refused"
         );
     }
 

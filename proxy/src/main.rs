@@ -106,6 +106,13 @@ struct Args {
     /// is refused. As Istio's terminationDrainDuration.
     #[arg(long, env = "STRAIT_SHUTDOWN_DELAY", default_value = "3s", value_parser = humantime::parse_duration)]
     shutdown_delay: Duration,
+    /// The most connections each of the outbound and inbound ports holds at
+    /// once (every worker thread together); past it, new ones are refused
+    /// (outbound: a 503 naming this flag; inbound: closed before TLS, so the
+    /// peer tries another endpoint) and counted in
+    /// `listener_connections_refused_total`.
+    #[arg(long, env = "STRAIT_MAX_CONNECTIONS", default_value_t = strait_mesh::limits::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
     #[command(flatten)]
     identity: IdentityArgs,
     /// Log format: plain or json.
@@ -168,6 +175,12 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
     identity_metrics.register(&mut registry);
+    let listener_metrics = strait_mesh::limits::ListenerMetrics::default();
+    listener_metrics.register(&mut registry);
+    let limits = (
+        strait_mesh::limits::ConnLimit::new("outbound", args.max_connections, &listener_metrics),
+        strait_mesh::limits::ConnLimit::new("inbound", args.max_connections, &listener_metrics),
+    );
     let readiness = Readiness::default();
     let admin = admin::spawn(args.admin_addr, readiness.clone(), Arc::new(registry)).await?;
     tracing::info!(%admin, node = %args.node_name, "node proxy starting");
@@ -274,11 +287,12 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         // runtime, listeners and pools.
         for worker in 1..threads {
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-            let (outbound, updates, inbound, drain) = (
+            let (outbound, updates, inbound, drain, (outbound_limit, inbound_limit)) = (
                 outbound.worker(),
                 discovery.updates(),
                 inbound.clone(),
                 drain.clone(),
+                limits.clone(),
             );
             std::thread::Builder::new()
                 .name(format!("strait-worker-{worker}"))
@@ -302,8 +316,12 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
                             }
                         };
                         forget_gone(outbound.clone(), updates);
-                        tokio::spawn(outbound.serve(outbound_listener, drain.clone()));
-                        tokio::spawn(inbound.serve(inbound_listener, drain));
+                        tokio::spawn(outbound.serve(
+                            outbound_listener,
+                            drain.clone(),
+                            outbound_limit,
+                        ));
+                        tokio::spawn(inbound.serve(inbound_listener, drain, inbound_limit));
                         let _ = ready_tx.send(Ok(()));
                         // The listeners stop at the drain; the connections
                         // they accepted run on until they finish or the
@@ -319,8 +337,9 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
                 .with_context(|| format!("starting worker thread {worker}"))?;
         }
     }
-    tokio::spawn(outbound.serve(outbound_listener, drain.clone()));
-    let inbound_task = tokio::spawn(inbound.serve(inbound_listener, drain.clone()));
+    let (outbound_limit, inbound_limit) = limits;
+    tokio::spawn(outbound.serve(outbound_listener, drain.clone(), outbound_limit));
+    let inbound_task = tokio::spawn(inbound.serve(inbound_listener, drain.clone(), inbound_limit));
     readiness.set_ready(true);
     tracing::info!(outbound = %args.outbound_addr, inbound = %args.inbound_addr, "ready");
 

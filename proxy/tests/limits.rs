@@ -202,3 +202,66 @@ async fn a_hung_gateway_or_node_proxy_fails_its_callers_within_the_bound() {
         "the caller waited {took:?} for a hung node proxy"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_past_its_connection_limit_refuses_new_connections_and_counts_them() {
+    let Some(mut mesh) = small_mesh("0s").await else {
+        return;
+    };
+    let (gw_pod, gw) = start_gateway(&mut mesh, 1, &["--max-connections=2"]).await;
+    mesh.proxies.push(gw);
+    let gw_ip = IpAddr::V4(gw_pod.ip());
+    let gw_addr = SocketAddr::new(gw_ip, 4143);
+    let gateway_id: strait_mesh::identity::SpiffeId = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
+    let bundle =
+        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (cert, _) = component_identity(&mesh, "strait-proxy");
+    let client =
+        || strait_mesh::tunnel::quic::GatewayClient::new(bundle.clone(), cert.clone()).unwrap();
+    // Two callers take both QUIC places; a third is refused on QUIC and
+    // carried by the TCP fallback (its own limit).
+    let (a, b, c) = (client(), client(), client());
+    for caller in [&a, &b] {
+        let (_, transport) = caller.probe(gw_addr, &gateway_id).await.unwrap();
+        assert_eq!(transport, "quic");
+    }
+    let (_, transport) = c.probe(gw_addr, &gateway_id).await.unwrap();
+    assert_eq!(transport, "tcp", "the third QUIC connection is refused");
+    // TCP: the fallback holds one place, a silent connection the other; the
+    // next is closed at once (not held for the 10 s handshake time-out).
+    let _silent = tokio::net::TcpStream::connect(gw_addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut over = tokio::net::TcpStream::connect(gw_addr).await.unwrap();
+    let mut buf = [0u8; 1];
+    let closed = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::io::AsyncReadExt::read(&mut over, &mut buf),
+    )
+    .await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "a connection past the limit is closed at once: {closed:?}"
+    );
+    let text = strait_testenv::http_get(SocketAddr::new(gw_ip, 4191), "/metrics")
+        .await
+        .unwrap();
+    for listener in ["quic", "tcp"] {
+        assert!(
+            metric_sum(
+                &text,
+                "listener_connections_refused_total",
+                &[&format!("listener=\"{listener}\"")]
+            ) >= 1.0,
+            "{listener} refusals counted:\n{text}"
+        );
+    }
+    assert_eq!(
+        metric_sum(&text, "listener_connections", &["listener=\"quic\""]),
+        2.0
+    );
+}

@@ -51,16 +51,30 @@ impl Inbound {
     /// the request in flight and close (an idle pooled tunnel at once, so
     /// other proxies' pools do not hold the drain: a node's proxy is replaced
     /// sooner); opaque tunnels run until their ends close or the drain times out.
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        drain: Drain,
+        limit: strait_mesh::limits::ConnLimit,
+    ) {
         let draining = drain.clone();
-        serve_connections(listener, drain, "inbound", move |stream, peer| {
-            let (this, drain) = (self.clone(), draining.clone());
-            async move {
-                if let Err(e) = this.handle(stream, peer, drain).await {
-                    tracing::debug!(%peer, "inbound connection: {e}");
+        // Past the limit a peer proxy's connection is closed before TLS: its
+        // handshake fails and the tunnel goes to another endpoint.
+        serve_connections(
+            listener,
+            drain,
+            "inbound",
+            limit,
+            b"",
+            move |stream, peer| {
+                let (this, drain) = (self.clone(), draining.clone());
+                async move {
+                    if let Err(e) = this.handle(stream, peer, drain).await {
+                        tracing::debug!(%peer, "inbound connection: {e}");
+                    }
                 }
-            }
-        })
+            },
+        )
         .await
     }
 

@@ -35,6 +35,7 @@ use crate::metrics::{ProxyMetrics, TcpLabels};
 use crate::retry::RetryBudget;
 use crate::view::{Destinations, Endpoint, LocalPod, ResolveError};
 use pool::{EndpointConnector, Opener, PoolKey, Pools, TunnelStream};
+use strait_mesh::limits::ConnLimit;
 
 /// How long a pod may take to send a request head, and how long a kept-alive
 /// connection may sit idle between requests (hyper's default, which needs a
@@ -67,6 +68,13 @@ pub struct Outbound {
     /// shared by every worker thread's `Outbound`: the budget is the proxy's.
     budgets: Arc<Mutex<std::collections::HashMap<String, Arc<RetryBudget>>>>,
 }
+
+/// What a pod's connection past the outbound port's connection limit reads
+/// before it is closed.
+const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n\
+strait-proxy-error: the node proxy holds its maximum of connections (--max-connections)\r\n\
+connection: close\r\ncontent-length: 67\r\n\r\n\
+the node proxy holds its maximum of connections (--max-connections)";
 
 /// The pod that opened a connection to us, with its identity.
 #[derive(Clone)]
@@ -169,11 +177,16 @@ impl Outbound {
     }
 
     /// Serves the node's pods until the drain starts.
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain) {
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, drain: Drain, limit: ConnLimit) {
         let draining = drain.clone();
-        serve_connections(listener, drain, "outbound", move |stream, peer| {
-            self.clone().handle(stream, peer, draining.clone())
-        })
+        serve_connections(
+            listener,
+            drain,
+            "outbound",
+            limit,
+            REFUSED,
+            move |stream, peer| self.clone().handle(stream, peer, draining.clone()),
+        )
         .await
     }
 

@@ -275,6 +275,14 @@ impl Transparent {
             tcp,
             self.drain.clone(),
             "transparent",
+            // Each captured pod's own cap: one pod cannot exhaust the
+            // node's (its connections are refused past it, closed).
+            strait_mesh::limits::ConnLimit::new(
+                "transparent",
+                strait_mesh::limits::DEFAULT_MAX_CONNECTIONS,
+                &Default::default(),
+            ),
+            b"",
             move |stream, _peer| {
                 outbound
                     .clone()
