@@ -25,7 +25,9 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use strait_mesh::limits::ConnLimit;
+use strait_mesh::limits::{
+    BoundedFamily, ConnLimit, DEFAULT_MAX_LABEL_SETS, OVERFLOW_LABEL, Overflow, OverflowMetrics,
+};
 
 use crate::policy;
 use crate::refusal::{Refusal, Revoked, ServiceName};
@@ -59,19 +61,68 @@ pub struct TransportLabels {
     pub transport: String,
 }
 
-/// `/metrics` of the gateway.
-#[derive(Clone, Debug, Default)]
+impl Overflow for StreamLabels {
+    fn overflow() -> Self {
+        let other = || OVERFLOW_LABEL.to_string();
+        Self {
+            transport: other(),
+            src_trust_domain: other(),
+            src_namespace: other(),
+            src_workload: other(),
+            dst_cluster: other(),
+            dst_namespace: other(),
+            dst_service: other(),
+        }
+    }
+}
+
+impl Overflow for DeniedLabels {
+    fn overflow() -> Self {
+        let other = || OVERFLOW_LABEL.to_string();
+        Self {
+            reason: other(),
+            src_trust_domain: other(),
+            dst_cluster: other(),
+        }
+    }
+}
+
+/// `/metrics` of the gateway. Label sets named by callers (their trust
+/// domain, namespace, workload) and by the Services they ask for are bounded
+/// ([`BoundedFamily`]: past [`DEFAULT_MAX_LABEL_SETS`], one `other` series).
+#[derive(Clone, Debug)]
 pub struct GatewayMetrics {
     pub connections: Family<TransportLabels, Counter>,
-    pub streams: Family<StreamLabels, Counter>,
-    pub stream_bytes: Family<StreamLabels, Counter>,
-    pub denied: Family<DeniedLabels, Counter>,
+    pub streams: BoundedFamily<StreamLabels, Counter>,
+    pub stream_bytes: BoundedFamily<StreamLabels, Counter>,
+    pub denied: BoundedFamily<DeniedLabels, Counter>,
     pub open_streams: Gauge,
     pub probes: Family<TransportLabels, Counter>,
+    overflows: OverflowMetrics,
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        Self::with_max_label_sets(DEFAULT_MAX_LABEL_SETS)
+    }
 }
 
 impl GatewayMetrics {
+    pub fn with_max_label_sets(max: usize) -> Self {
+        let overflows = OverflowMetrics::default();
+        Self {
+            connections: Family::default(),
+            streams: BoundedFamily::new("gateway_streams", max, &overflows),
+            stream_bytes: BoundedFamily::new("gateway_stream_bytes", max, &overflows),
+            denied: BoundedFamily::new("gateway_denied", max, &overflows),
+            open_streams: Gauge::default(),
+            probes: Family::default(),
+            overflows,
+        }
+    }
+
     pub fn register(&self, registry: &mut Registry) {
+        self.overflows.register(registry);
         registry.register(
             "gateway_connections",
             "Connections accepted, by transport",
@@ -80,17 +131,17 @@ impl GatewayMetrics {
         registry.register(
             "gateway_streams",
             "Streams forwarded to a pod, by caller and Service",
-            self.streams.clone(),
+            self.streams.family().clone(),
         );
         registry.register(
             "gateway_stream_bytes",
             "Bytes carried both ways by forwarded streams",
-            self.stream_bytes.clone(),
+            self.stream_bytes.family().clone(),
         );
         registry.register(
             "gateway_denied",
             "Streams refused, by reason",
-            self.denied.clone(),
+            self.denied.family().clone(),
         );
         registry.register(
             "gateway_probes",

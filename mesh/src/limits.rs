@@ -184,6 +184,15 @@ pub const DEFAULT_MAX_LABEL_SETS: usize = 2_048;
 pub struct OverflowMetrics(Family<MetricLabels, Counter>);
 
 impl OverflowMetrics {
+    /// Counts one label set of `metric` sent to its `other` series.
+    pub fn inc(&self, metric: &str) {
+        self.0
+            .get_or_create(&MetricLabels {
+                metric: metric.to_string(),
+            })
+            .inc();
+    }
+
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "metric_label_sets_overflow",

@@ -84,6 +84,26 @@ pub struct ProxyMetrics {
     /// The outbound side's series by (source, destination): one lookup per
     /// request instead of one per metric, and no label built or cloned.
     outbound_http: Arc<Mutex<HashMap<SpiffeId, HashMap<SpiffeId, HttpSeries>>>>,
+    /// The (source, destination) label sets in use: at most
+    /// `max_label_sets`, then [`TcpLabels::overflow`] (counted).
+    peers: Arc<Mutex<std::collections::HashSet<TcpLabels>>>,
+    max_label_sets: usize,
+    overflows: strait_mesh::limits::OverflowMetrics,
+}
+
+impl TcpLabels {
+    /// Every peer label `other`: where label sets past the bound are counted.
+    fn overflow(&self) -> Self {
+        let other = || strait_mesh::limits::OVERFLOW_LABEL.to_string();
+        Self {
+            direction: self.direction.clone(),
+            src_namespace: other(),
+            src_workload: other(),
+            dst_namespace: other(),
+            dst_workload: other(),
+            cluster: self.cluster.clone(),
+        }
+    }
 }
 
 /// One (source, destination) pair's HTTP series, resolved once. Counting
@@ -171,7 +191,18 @@ impl ProxyMetrics {
             inbound_refusals: Family::default(),
             end_to_end_proven: Counter::default(),
             outbound_http: Arc::default(),
+            peers: Arc::default(),
+            max_label_sets: strait_mesh::limits::DEFAULT_MAX_LABEL_SETS,
+            overflows: Default::default(),
         }
+    }
+
+    /// At most `max` (source, destination) label sets (default
+    /// [`strait_mesh::limits::DEFAULT_MAX_LABEL_SETS`]): callers and
+    /// destinations are named by peers' identities (other clusters' too).
+    pub fn with_max_label_sets(mut self, max: usize) -> Self {
+        self.max_label_sets = max;
+        self
     }
 
     /// Counts a tunnel the inbound side refused.
@@ -208,17 +239,30 @@ impl ProxyMetrics {
             return series.clone();
         }
         let series = self.http(&TcpLabels::outbound(source, destination));
-        cache
-            .entry(source.clone())
-            .or_default()
-            .insert(destination.clone(), series.clone());
+        // The cache holds the pairs with label sets of their own; the rest
+        // (counted as `other`) resolve their series each time.
+        if cache.values().map(HashMap::len).sum::<usize>() < self.max_label_sets {
+            cache
+                .entry(source.clone())
+                .or_default()
+                .insert(destination.clone(), series.clone());
+        }
         series
     }
 
     fn labelled(&self, labels: &TcpLabels) -> TcpLabels {
         let mut labels = labels.clone();
         labels.cluster = self.cluster.clone();
-        labels
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if peers.contains(&labels) {
+            return labels;
+        }
+        if peers.len() < self.max_label_sets {
+            peers.insert(labels.clone());
+            return labels;
+        }
+        self.overflows.inc("tcp");
+        labels.overflow()
     }
 
     pub fn tcp_open(&self, labels: &TcpLabels) {
@@ -234,6 +278,7 @@ impl ProxyMetrics {
     }
 
     pub fn register(&self, registry: &mut Registry) {
+        self.overflows.register(registry);
         registry.register("tcp_open", "Connections opened", self.tcp_open.clone());
         registry.register(
             "inbound_refusals",
@@ -328,5 +373,36 @@ mod tests {
         assert_eq!(value("retries_total", None), "1");
         assert_eq!(value("retry_budget_exhausted_total", None), "1");
         assert!(!text.contains(r#"status_class="4xx""#), "{text}");
+    }
+
+    #[test]
+    fn peer_label_sets_past_the_bound_count_as_other() {
+        let metrics = ProxyMetrics::new("east").with_max_label_sets(2);
+        let destination: SpiffeId = "spiffe://west/ns/shop/sa/web".parse().unwrap();
+        for i in 0..5 {
+            let source: SpiffeId = format!("spiffe://west/ns/shop/sa/c{i}").parse().unwrap();
+            let series = metrics.outbound_http(&source, &destination);
+            series.request();
+            metrics.tcp_open(&TcpLabels::outbound(&source, &destination));
+        }
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let requests: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("request_total"))
+            .collect();
+        assert_eq!(requests.len(), 3, "two pairs and `other`: {text}");
+        assert!(
+            requests
+                .iter()
+                .any(|l| l.contains(r#"src_workload="other""#) && l.ends_with(" 3")),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"metric_label_sets_overflow_total{metric="tcp"} 6"#),
+            "{text}"
+        );
     }
 }

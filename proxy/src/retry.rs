@@ -100,6 +100,13 @@ impl RetryBudget {
         w.current(self.config.ttl, now).requests += 1;
     }
 
+    /// Whether nothing was deposited or withdrawn within the window: such a
+    /// budget equals a new one, so it can be dropped and made again.
+    pub fn is_idle(&self, now: Instant) -> bool {
+        let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        w.totals(self.config.ttl, now) == (0, 0)
+    }
+
     /// Takes one retry from the budget; false when it is spent.
     pub fn withdraw(&self, now: Instant) -> bool {
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
@@ -118,6 +125,16 @@ impl RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_budget_is_idle_once_its_window_has_passed() {
+        let budget = RetryBudget::new(BudgetConfig::default());
+        let now = Instant::now();
+        assert!(budget.is_idle(now));
+        budget.deposit(now);
+        assert!(!budget.is_idle(now + Duration::from_secs(9)));
+        assert!(budget.is_idle(now + Duration::from_secs(11)));
+    }
 
     #[test]
     fn retries_are_capped_at_the_ratio_plus_the_floor() {

@@ -91,6 +91,9 @@ fn is_idempotent(method: &http::Method) -> bool {
     .contains(method)
 }
 
+/// How many retry budgets are kept before idle ones are dropped.
+const BUDGETS_PRUNED_AT: usize = 1024;
+
 /// Whether an attempt may be sent again to another endpoint: only a
 /// replayable request (idempotent, no body), when it never reached a pod,
 /// when its connection was lost before an answer came (a gateway or node that
@@ -357,6 +360,12 @@ impl Outbound {
         let mut budgets = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(budget) = budgets.get(destination) {
             return budget.clone();
+        }
+        // Destinations are named as callers spell them: budgets unused for a
+        // whole window (equal to new ones) go before the map grows further.
+        if budgets.len() >= BUDGETS_PRUNED_AT {
+            let now = Instant::now();
+            budgets.retain(|_, b| Arc::strong_count(b) > 1 || !b.is_idle(now));
         }
         budgets
             .entry(destination.to_string())

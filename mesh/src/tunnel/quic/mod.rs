@@ -246,6 +246,9 @@ const TCP_HOLD_DOWN: Duration = Duration::from_secs(1);
 
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// How often a [`GatewayClient`] drops what it keeps for idle gateways.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+
 /// The client side of cross-cluster tunnels: one QUIC connection per gateway,
 /// streams on it, TCP + TLS while QUIC cannot connect. Presents `cert` (the
 /// node proxy's own identity); each gateway must prove the identity its
@@ -269,14 +272,58 @@ enum QuicNow {
 impl GatewayClient {
     pub fn new(bundle: TrustBundle, cert: Arc<CertSlot>) -> std::io::Result<Arc<Self>> {
         let endpoint = endpoint("0.0.0.0:0".parse().expect("valid"), None)?;
-        Ok(Arc::new(Self {
+        let client = Arc::new(Self {
             endpoint,
             bundle,
             cert,
             gateways: Mutex::new(HashMap::new()),
             configs: Mutex::new(HashMap::new()),
             tcp_configs: Mutex::new(HashMap::new()),
-        }))
+        });
+        // Gateways come and go (addresses, identities): what is kept for one
+        // that has nothing open goes, until the client itself does.
+        let weak = Arc::downgrade(&client);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PRUNE_INTERVAL).await;
+                let Some(client) = weak.upgrade() else { return };
+                client.prune(Instant::now());
+            }
+        });
+        Ok(client)
+    }
+
+    /// Drops the state of gateways with nothing open, nothing running and no
+    /// back-off in force (it says nothing a new attempt would not find out),
+    /// and the TLS configs of identities no gateway left needs.
+    fn prune(&self, now: Instant) {
+        let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
+        gateways.retain(|_, state| {
+            state
+                .connection
+                .as_ref()
+                .is_some_and(|c| c.close_reason().is_none())
+                || state.h2.as_ref().is_some_and(|h| !h.is_closed())
+                || state.probing
+                || state.quic_down_until.is_some_and(|t| t > now)
+                || state.tcp_down_until.is_some_and(|t| t > now)
+        });
+        let wanted: std::collections::HashSet<&SpiffeId> =
+            gateways.keys().map(|(_, id)| id).collect();
+        for cache in [&self.configs, &self.tcp_configs] {
+            cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|id, _| wanted.contains(id));
+        }
+    }
+
+    /// Gateways the client keeps state for now.
+    pub fn known_gateways(&self) -> usize {
+        self.gateways
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     fn tls(&self, identity: &SpiffeId) -> Result<Arc<rustls::ClientConfig>, TunnelError> {

@@ -167,3 +167,40 @@ fn a_short_reset_key_is_refused_saying_what_to_give() {
         .unwrap_err();
     assert!(e.to_string().contains("at least 32 random bytes"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_forgets_gateways_with_nothing_open_and_no_backoff() {
+    let pki = pki();
+    let server = Server::start(&pki, "127.0.0.1:0".parse().unwrap(), &[7u8; 32]);
+    let cert = pki
+        .signer
+        .new_identity(&PROXY.parse().unwrap(), Duration::from_secs(3600))
+        .unwrap();
+    let client = GatewayClient::new(pki.bundle.clone(), cert).unwrap();
+    let gateway: SpiffeId = GATEWAY.parse().unwrap();
+    let connection = client.connect_quic(server.addr, &gateway).await.unwrap();
+    // A gateway that does not answer at all: QUIC in back-off.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let dead = silent.local_addr().unwrap();
+    assert!(client.connect_quic(dead, &gateway).await.is_none());
+    assert_eq!(client.known_gateways(), 2);
+
+    let now = Instant::now();
+    client.prune(now);
+    assert_eq!(
+        client.known_gateways(),
+        2,
+        "open connection and back-off kept"
+    );
+    connection.close(0u32.into(), b"done");
+    client.prune(now);
+    assert_eq!(
+        client.known_gateways(),
+        1,
+        "the closed connection's gateway forgotten"
+    );
+    client.prune(now + MAX_BACKOFF + Duration::from_secs(1));
+    assert_eq!(client.known_gateways(), 0, "the back-off over: forgotten");
+    assert!(client.configs.lock().unwrap().is_empty());
+    server.crash();
+}
