@@ -32,6 +32,10 @@ use strait_mesh::limits::{
 use crate::policy;
 use crate::refusal::{Refusal, Revoked, ServiceName};
 
+/// QUIC handshakes in progress past which a peer must first prove its
+/// address with a Retry token (RFC 9000 §8.1.2).
+const MAX_UNVALIDATED_HANDSHAKES: usize = 256;
+
 /// How long a TCP + TLS handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -98,6 +102,8 @@ pub struct GatewayMetrics {
     pub denied: BoundedFamily<DeniedLabels, Counter>,
     pub open_streams: Gauge,
     pub probes: Family<TransportLabels, Counter>,
+    /// QUIC handshakes answered with a Retry (too many in progress).
+    pub quic_retries: Counter,
     overflows: OverflowMetrics,
 }
 
@@ -117,12 +123,18 @@ impl GatewayMetrics {
             denied: BoundedFamily::new("gateway_denied", max, &overflows),
             open_streams: Gauge::default(),
             probes: Family::default(),
+            quic_retries: Counter::default(),
             overflows,
         }
     }
 
     pub fn register(&self, registry: &mut Registry) {
         self.overflows.register(registry);
+        registry.register(
+            "gateway_quic_retries",
+            "QUIC handshakes asked to prove their address first (Retry) because too many were in progress",
+            self.quic_retries.clone(),
+        );
         registry.register(
             "gateway_connections",
             "Connections accepted, by transport",
@@ -225,20 +237,36 @@ impl Gateway {
         limit: ConnLimit,
         mut stop: watch::Receiver<bool>,
     ) {
+        let handshaking = Arc::new(AtomicUsize::new(0));
         loop {
             let incoming = tokio::select! {
                 i = endpoint.accept() => i,
                 _ = stop.wait_for(|s| *s) => return,
             };
             let Some(incoming) = incoming else { return };
+            // Under a flood of handshakes, a peer first proves it receives
+            // at its address (a Retry token, one more round trip) before
+            // the gateway spends a key exchange and a signature on it: a
+            // flood of Initials that never answer costs a packet each.
+            if handshaking.load(Ordering::Acquire) >= MAX_UNVALIDATED_HANDSHAKES
+                && !incoming.remote_address_validated()
+            {
+                self.metrics.quic_retries.inc();
+                let _ = incoming.retry();
+                continue;
+            }
             let Some(permit) = limit.try_acquire() else {
                 incoming.refuse();
                 continue;
             };
             let this = self.clone();
+            let handshaking = handshaking.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let connection = match incoming.await {
+                handshaking.fetch_add(1, Ordering::AcqRel);
+                let accepted = incoming.await;
+                handshaking.fetch_sub(1, Ordering::AcqRel);
+                let connection = match accepted {
                     Ok(c) => c,
                     Err(e) => {
                         tracing::debug!("QUIC handshake: {e}");

@@ -17,7 +17,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The default cap on one listener's open connections (each of the
 /// gateway's two transports, the node proxy's inbound and outbound ports).
-pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// The memory limits in deploy/ are sized for both of a process's listeners
+/// full: ~27 KiB per proxy connection (2 × 8192 → ~440 MiB of the
+/// DaemonSet's 512 MiB), ~114 KiB per established QUIC connection and
+/// ~11 KiB per TCP one at the gateway (~1 GiB of its 1.5 GiB).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 8_192;
 /// The cap on the admin port's open connections: probes and scrapes need a
 /// handful; idle ones are closed after 5 s, so this bounds memory (some
 /// 30 MiB) without letting a few slow clients starve the kubelet's probes.
