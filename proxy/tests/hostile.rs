@@ -129,7 +129,7 @@ async fn probe_loop(
 
 /// `n` TCP connections to `addr` that never send a byte, opened 100 at a
 /// time; each is watched until the server closes it: how long after its own
-/// connect that was (`None`: not within `TLS_ACCEPT_TIMEOUT` + 10 s).
+/// connect that was (`None`: not within `TLS_ACCEPT_TIMEOUT` + 20 s).
 async fn open_silent(addr: SocketAddr, n: usize) -> Vec<tokio::task::JoinHandle<Option<Duration>>> {
     let mut watched = Vec::with_capacity(n);
     while watched.len() < n {
@@ -143,7 +143,7 @@ async fn open_silent(addr: SocketAddr, n: usize) -> Vec<tokio::task::JoinHandle<
             watched.push(tokio::spawn(async move {
                 let mut buf = [0u8; 1];
                 let read = tokio::time::timeout(
-                    TLS_ACCEPT_TIMEOUT + Duration::from_secs(10),
+                    TLS_ACCEPT_TIMEOUT + Duration::from_secs(20),
                     socket.read(&mut buf),
                 )
                 .await;
