@@ -101,7 +101,9 @@ fn watch_local_services(client: Client, tasks: &mut tokio::task::JoinSet<()>) ->
 pub async fn run(client: Client, config: MirrorConfig) {
     let mut tasks = tokio::task::JoinSet::new();
     let local_services = watch_local_services(client.clone(), &mut tasks);
-    tasks.spawn(heartbeat::run(client.clone(), config.namespace.clone()));
+    if config.heartbeat {
+        tasks.spawn(heartbeat::run(client.clone(), config.namespace.clone()));
+    }
     let ctx = Arc::new(Context::new(client.clone(), config, local_services));
     let links: Api<Link> = Api::namespaced(client.clone(), &ctx.config.namespace);
     let controller = Controller::new(links, watcher::Config::default());
