@@ -258,6 +258,33 @@ impl Elector {
     }
 }
 
+/// Gives the Lease up on a graceful shutdown (SIGTERM, a rollout): the other
+/// replica takes over within a retry period instead of waiting out the lease.
+/// Call it only once this process writes nothing more (it exits right after).
+pub async fn release(client: Client, namespace: &str, lease_name: &str, identity: &str) {
+    let api: Api<Lease> = Api::namespaced(client, namespace);
+    let Ok(mut lease) = api.get(lease_name).await else {
+        return;
+    };
+    let mut spec = lease.spec.clone().unwrap_or_default();
+    if spec.holder_identity.as_deref() != Some(identity) {
+        return;
+    }
+    spec.holder_identity = None;
+    spec.lease_duration_seconds = Some(1);
+    spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+    lease.spec = Some(spec);
+    match api
+        .replace(lease_name, &PostParams::default(), &lease)
+        .await
+    {
+        Ok(_) => tracing::info!("leader Lease released"),
+        Err(e) => tracing::warn!(
+            "releasing the leader Lease: {e} (the other replica takes over when it expires)"
+        ),
+    }
+}
+
 /// A write that lost a race (409 Conflict) is `false`, not an error.
 fn won(result: kube::Result<Lease>) -> kube::Result<bool> {
     match result {

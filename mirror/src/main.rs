@@ -184,6 +184,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         strait_mirror::resolve::DnsConfig::Servers(args.dns_server)
     };
+    let namespace = args.namespace.clone();
     let clusterset = args
         .cluster_name
         .map(|name| (name, strait_mirror::mcs::ClustersetFeed::default()));
@@ -195,9 +196,9 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
     strait_mirror::run(
-        client,
+        client.clone(),
         strait_mirror::MirrorConfig {
-            namespace: args.namespace,
+            namespace: namespace.clone(),
             token_renew_at: args.token_renew_at,
             metrics,
             identity,
@@ -207,5 +208,15 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .await;
+    // Shut down by a signal: hand the lead over now rather than when it expires.
+    if args.leader_elect {
+        strait_mirror::leader::release(
+            client,
+            &namespace,
+            strait_mesh::link::MIRROR_HEARTBEAT_LEASE,
+            &strait_mirror::heartbeat::holder(),
+        )
+        .await;
+    }
     Ok(())
 }

@@ -45,6 +45,37 @@ fn controller(kubeconfig: &str, name: &str, log: &std::path::Path) -> Replica {
     )
 }
 
+/// The `mirror_leader` gauge of the replica logging to `log` (its admin
+/// address is in its log: it listens on a free port).
+async fn leader_metric(log: &std::path::Path) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let text = std::fs::read_to_string(log).map_err(|e| e.to_string())?;
+    let addr = text
+        .lines()
+        .find(|l| l.contains("mirror controller starting"))
+        .and_then(|l| l.split("127.0.0.1:").nth(1))
+        .map(|rest| {
+            rest.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .ok_or("no admin address logged yet")?;
+    let mut conn = tokio::net::TcpStream::connect(format!("127.0.0.1:{addr}"))
+        .await
+        .map_err(|e| e.to_string())?;
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: mirror\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    body.lines()
+        .find(|l| l.starts_with("mirror_leader "))
+        .map(|l| l.trim_start_matches("mirror_leader ").to_string())
+        .ok_or(format!("no mirror_leader in {body}"))
+}
+
 async fn holder(leases: &Api<Lease>) -> Option<String> {
     leases
         .get_opt("strait-mirror")
@@ -223,5 +254,38 @@ async fn killing_the_leader_under_churn_hands_over_within_ten_seconds_without_lo
         Some(next.as_str()),
         "leadership stable"
     );
+    let log_of = |n: &str| logs.path().join(format!("{n}.log"));
+    assert_eq!(leader_metric(&log_of(&next)).await.unwrap(), "1");
+
+    // A graceful stop (a rollout's SIGTERM) hands over at once: the leader
+    // releases the Lease instead of letting it run out.
+    let third = "mirror-c".to_string();
+    replicas.insert(
+        third.clone(),
+        controller(&kubeconfig, &third, &log_of(&third)),
+    );
+    let standing_by = eventually("the new replica to stand by", WAIT, || async {
+        leader_metric(&log_of(&third)).await
+    })
+    .await;
+    assert_eq!(standing_by, "0", "a follower does not lead");
+    let pid = replicas[&next].0.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let at = Instant::now();
+    eventually("mirror-c to take the released Lease", WAIT, || async {
+        match holder(&leases).await {
+            Some(h) if h == third => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let handover = at.elapsed();
+    eprintln!("MEASURED leader handover after SIGTERM: {handover:?}");
+    assert!(
+        handover < Duration::from_secs(4),
+        "a released Lease waited {handover:?}"
+    );
+    assert_eq!(leader_metric(&log_of(&third)).await.unwrap(), "1");
     drop(replicas);
 }
