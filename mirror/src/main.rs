@@ -118,6 +118,19 @@ async fn main() -> anyhow::Result<()> {
         Some(w)
     };
     let client = kube::Client::try_default().await?;
+    if let Some(name) = args.cluster_name.clone() {
+        // In the background: the MCS CRDs may arrive after the controller.
+        // Every replica checks it (a contradicting name must stop a standby
+        // too); creating it twice is harmless (a conflict is retried as a read).
+        let client = client.clone();
+        tokio::spawn(async move {
+            if let Err(e) = strait_mirror::clusterset::ensure_cluster_name(&client, &name).await {
+                tracing::error!("{e}");
+                eprintln!("Error: {e}");
+                std::process::exit(1);
+            }
+        });
+    }
     // Every replica is Ready (it serves /metrics and stands by); only the
     // leader acts, as with kube-controller-manager.
     readiness.set_ready(true);
@@ -161,17 +174,6 @@ async fn main() -> anyhow::Result<()> {
             name.to_string(),
             strait_mesh::names::CLUSTERSET_DOMAIN.to_string(),
         ));
-    }
-    if let Some(name) = args.cluster_name.clone() {
-        // In the background: the MCS CRDs may arrive after the controller.
-        let client = client.clone();
-        tokio::spawn(async move {
-            if let Err(e) = strait_mirror::clusterset::ensure_cluster_name(&client, &name).await {
-                tracing::error!("{e}");
-                eprintln!("Error: {e}");
-                std::process::exit(1);
-            }
-        });
     }
     let identity = workload
         .as_ref()
