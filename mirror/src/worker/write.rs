@@ -378,3 +378,55 @@ fn with_type_meta<T: serde::Serialize>(
     value["kind"] = kind.into();
     value
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    fn meta(labels: &[(&str, &str)], managers: &[&str]) -> ObjectMeta {
+        ObjectMeta {
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            managed_fields: Some(
+                managers
+                    .iter()
+                    .map(|m| ManagedFieldsEntry {
+                        manager: Some(m.to_string()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_mirror_is_ours_only_with_our_labels_for_this_cluster_and_our_field_manager() {
+        let ours = [(MIRRORED_LABEL, "true"), (CLUSTER_NAME_LABEL, "west")];
+        assert!(is_mirror_of(
+            &meta(&ours, &[FIELD_MANAGER, "kubectl-edit"]),
+            "west"
+        ));
+        assert!(
+            !is_mirror_of(&meta(&ours, &[FIELD_MANAGER]), "east"),
+            "another cluster's mirror"
+        );
+        assert!(
+            !is_mirror_of(&meta(&ours, &["kubectl-create"]), "west"),
+            "dressed as a mirror, never written by Strait"
+        );
+        assert!(
+            !is_mirror_of(
+                &meta(&[(CLUSTER_NAME_LABEL, "west")], &[FIELD_MANAGER]),
+                "west"
+            ),
+            "the mirror label removed by hand"
+        );
+        assert!(!is_mirror_of(&ObjectMeta::default(), "west"));
+    }
+}
