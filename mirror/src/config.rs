@@ -24,6 +24,9 @@ pub struct MirrorConfig {
     /// This cluster's name and the feed of linked clusters' ServiceExports, when
     /// the Multi-Cluster Services controller runs (`--cluster-name`).
     pub clusterset: Option<(String, crate::mcs::ClustersetFeed)>,
+    /// Renew the heartbeat Lease that `strait check` reads. Off when leader
+    /// election runs: the leader's renewals of the same Lease are the heartbeat.
+    pub heartbeat: bool,
 }
 
 impl Default for MirrorConfig {
@@ -35,6 +38,7 @@ impl Default for MirrorConfig {
             identity: None,
             dns: Default::default(),
             clusterset: None,
+            heartbeat: true,
         }
     }
 }

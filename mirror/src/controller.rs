@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 use kube::api::ListParams;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
@@ -23,7 +24,7 @@ use strait_mesh::names::{CLUSTER_NAME_LABEL, MIRRORED_LABEL};
 use tokio::sync::{Mutex, watch};
 
 use crate::config::{LocalServices, MirrorConfig};
-use crate::status::StatusReporter;
+use crate::status::{LinkHealth, StatusReporter};
 use crate::{heartbeat, worker};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,10 +51,17 @@ pub struct Context {
     recorder: Recorder,
     workers: Mutex<HashMap<String, WorkerHandle>>,
     local_services: LocalServices,
+    /// Every Link, to tell which of two claiming one cluster name mirrors it.
+    links: reflector::Store<Link>,
 }
 
 impl Context {
-    fn new(client: Client, config: MirrorConfig, local_services: LocalServices) -> Self {
+    fn new(
+        client: Client,
+        config: MirrorConfig,
+        local_services: LocalServices,
+        links: reflector::Store<Link>,
+    ) -> Self {
         let reporter = Reporter {
             controller: "strait-mirror".into(),
             instance: std::env::var("POD_NAME").ok(),
@@ -64,12 +72,14 @@ impl Context {
             client,
             workers: Mutex::new(HashMap::new()),
             local_services,
+            links,
         }
     }
 }
 
 /// Watches local Services' metadata into a store, keeping only what the
-/// conflict check needs (name, namespace, the mirror label) to bound memory.
+/// ownership rule needs (name, namespace, the mirror labels, whether
+/// Strait's field manager wrote it) to bound memory.
 fn watch_local_services(client: Client, tasks: &mut tokio::task::JoinSet<()>) -> LocalServices {
     let (reader, writer) = reflector::store::<PartialObjectMeta<Service>>();
     let stream = watcher(
@@ -80,7 +90,19 @@ fn watch_local_services(client: Client, tasks: &mut tokio::task::JoinSet<()>) ->
     .modify(|svc| {
         let m = &mut svc.metadata;
         m.annotations = None;
-        m.managed_fields = None;
+        // Only Strait's own manager entries, without their field sets.
+        m.managed_fields = Some(
+            m.managed_fields
+                .take()
+                .into_iter()
+                .flatten()
+                .filter(|f| f.manager.as_deref() == Some(worker::FIELD_MANAGER))
+                .map(|f| ManagedFieldsEntry {
+                    manager: f.manager,
+                    ..Default::default()
+                })
+                .collect(),
+        );
         m.owner_references = None;
         if let Some(labels) = m.labels.as_mut() {
             labels.retain(|k, _| k == MIRRORED_LABEL || k == CLUSTER_NAME_LABEL);
@@ -101,11 +123,18 @@ fn watch_local_services(client: Client, tasks: &mut tokio::task::JoinSet<()>) ->
 pub async fn run(client: Client, config: MirrorConfig) {
     let mut tasks = tokio::task::JoinSet::new();
     let local_services = watch_local_services(client.clone(), &mut tasks);
-    tasks.spawn(heartbeat::run(client.clone(), config.namespace.clone()));
-    let ctx = Arc::new(Context::new(client.clone(), config, local_services));
-    let links: Api<Link> = Api::namespaced(client.clone(), &ctx.config.namespace);
+    if config.heartbeat {
+        tasks.spawn(heartbeat::run(client.clone(), config.namespace.clone()));
+    }
+    let links: Api<Link> = Api::namespaced(client.clone(), &config.namespace);
     let controller = Controller::new(links, watcher::Config::default());
     let store = controller.store();
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        config,
+        local_services,
+        store.clone(),
+    ));
     controller
         // A changed credentials Secret restarts the Links that use it.
         .watches(
@@ -144,6 +173,19 @@ async fn reconcile(link: Arc<Link>, ctx: Arc<Context>) -> Result<Action, Error> 
     finalizer(&api, LINK_FINALIZER, link, |event| async {
         match event {
             Finalizer::Apply(link) => {
+                if let Some(older) = claimed_before(&ctx.links, &link) {
+                    // Two Links would write the same `<svc>-<cluster>` mirrors:
+                    // the older keeps them, this one waits (and is looked at
+                    // again, to take over once the older is gone).
+                    stop_worker(&ctx, &key_of(&link)).await;
+                    reporter(&ctx, link.clone())
+                        .set_health(LinkHealth::duplicate_cluster_name(
+                            &link.spec.target_cluster_name,
+                            &older,
+                        ))
+                        .await;
+                    return Ok(Action::requeue(DUPLICATE_RECHECK));
+                }
                 ensure_worker(&ctx, link).await?;
                 Ok(Action::requeue(Duration::from_secs(300)))
             }
@@ -153,14 +195,66 @@ async fn reconcile(link: Arc<Link>, ctx: Arc<Context>) -> Result<Action, Error> 
                     feed.leave(&link.spec.target_cluster_name, &key_of(&link));
                 }
                 ctx.config.metrics.forget(&key_of(&link));
-                remove_all_mirrors(&ctx.client, &link.spec.target_cluster_name).await?;
-                tracing::info!(cluster = %link.spec.target_cluster_name, "link deleted: its mirrors are gone");
+                let cluster = &link.spec.target_cluster_name;
+                if let Some(other) = other_claimant(&ctx.links, &link) {
+                    // The mirrors are (or will be) the other Link's: it takes
+                    // them over with its first pass.
+                    tracing::info!(%cluster, other = %other, "link deleted: its cluster name stays linked by another Link, mirrors kept");
+                } else {
+                    remove_all_mirrors(&ctx.client, cluster).await?;
+                    tracing::info!(%cluster, "link deleted: its mirrors are gone");
+                }
                 Ok(Action::await_change())
             }
         }
     })
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// How often a Link refused for a duplicate cluster name is looked at
+/// again: it takes over within this once the older Link is gone.
+const DUPLICATE_RECHECK: Duration = Duration::from_secs(5);
+
+/// The other Links claiming `link`'s cluster name, oldest first (creation
+/// time, then name): the first of them mirrors the cluster.
+fn claimants(links: &reflector::Store<Link>, link: &Link) -> Vec<Arc<Link>> {
+    let me = key_of(link);
+    let mut others: Vec<Arc<Link>> = links
+        .state()
+        .into_iter()
+        .filter(|l| l.spec.target_cluster_name == link.spec.target_cluster_name && key_of(l) != me)
+        .collect();
+    others.sort_by_key(|l| seniority(l));
+    others
+}
+
+fn seniority(link: &Link) -> (Option<i64>, String) {
+    (
+        link.metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.as_millisecond()),
+        link.name_any(),
+    )
+}
+
+/// The older Link (`namespace/name`) that claims `link`'s cluster name, if any.
+fn claimed_before(links: &reflector::Store<Link>, link: &Link) -> Option<String> {
+    claimants(links, link)
+        .into_iter()
+        .find(|l| seniority(l) < seniority(link))
+        .map(|l| key_of(&l))
+}
+
+/// Another Link that claims `link`'s cluster name, if any.
+fn other_claimant(links: &reflector::Store<Link>, link: &Link) -> Option<String> {
+    claimants(links, link).first().map(|l| key_of(l))
+}
+
+fn reporter(ctx: &Context, link: Arc<Link>) -> StatusReporter {
+    let api: Api<Link> = Api::namespaced(ctx.client.clone(), &link.namespace().unwrap_or_default());
+    StatusReporter::new(api, link, ctx.recorder.clone(), ctx.config.metrics.clone())
 }
 
 fn key_of(link: &Link) -> String {
@@ -204,13 +298,8 @@ async fn ensure_worker(ctx: &Context, link: Arc<Link>) -> Result<(), Error> {
     }
     tracing::info!(link = %key, cluster = %link.spec.target_cluster_name, "starting to mirror");
     let (stop, stop_rx) = watch::channel(false);
-    let api: Api<Link> = Api::namespaced(ctx.client.clone(), &link.namespace().unwrap_or_default());
-    let reporter = StatusReporter::new(
-        api,
-        link.clone(),
-        ctx.recorder.clone(),
-        ctx.config.metrics.clone(),
-    );
+    let reporter = reporter(ctx, link.clone());
+    reporter.set_health(LinkHealth::accepted()).await;
     tokio::spawn(worker::run(
         ctx.client.clone(),
         ctx.local_services.clone(),
@@ -244,7 +333,14 @@ pub async fn remove_all_mirrors(client: &Client, cluster: &str) -> Result<(), Er
         .await?;
     let mut failed = 0;
     for m in list.items {
-        if !worker::delete_mirror(client, &m.namespace().unwrap_or_default(), &m.name_any()).await {
+        if !worker::delete_mirror(
+            client,
+            cluster,
+            &m.namespace().unwrap_or_default(),
+            &m.name_any(),
+        )
+        .await
+        {
             failed += 1;
         }
     }

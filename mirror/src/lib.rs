@@ -12,6 +12,7 @@ pub mod controller;
 pub mod coredns;
 pub mod heartbeat;
 pub mod latency;
+pub mod leader;
 pub mod mcs;
 pub mod metrics;
 pub mod mirror;

@@ -49,6 +49,23 @@ struct Args {
     /// kept so by this controller. Empty: leave cluster DNS alone.
     #[arg(long, env = "STRAIT_COREDNS_CONFIGMAP", default_value = "")]
     coredns_configmap: String,
+    /// Elect one leader among the replicas with the Lease `strait-mirror` in
+    /// the Links' namespace: only the leader mirrors; the others stand by
+    /// (Ready) and take over when its lease runs out. `--leader-elect=false`
+    /// for a single replica that just renews the Lease as its heartbeat.
+    #[arg(long, env = "STRAIT_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// How long a leader's Lease lasts without renewal (a follower takes over
+    /// within this plus two retry periods of the leader dying).
+    #[arg(long, default_value = "7s", value_parser = humantime::parse_duration)]
+    leader_lease_duration: std::time::Duration,
+    /// A leader that could not renew for this long stops every writer (and
+    /// exits, to start over as a follower); shorter than the lease duration.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    leader_renew_deadline: std::time::Duration,
+    /// How often the leader renews and followers look at the Lease.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    leader_retry_period: std::time::Duration,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -101,6 +118,49 @@ async fn main() -> anyhow::Result<()> {
         Some(w)
     };
     let client = kube::Client::try_default().await?;
+    if let Some(name) = args.cluster_name.clone() {
+        // In the background: the MCS CRDs may arrive after the controller.
+        // Every replica checks it (a contradicting name must stop a standby
+        // too); creating it twice is harmless (a conflict is retried as a read).
+        let client = client.clone();
+        tokio::spawn(async move {
+            if let Err(e) = strait_mirror::clusterset::ensure_cluster_name(&client, &name).await {
+                tracing::error!("{e}");
+                eprintln!("Error: {e}");
+                std::process::exit(1);
+            }
+        });
+    }
+    // Every replica is Ready (it serves /metrics and stands by); only the
+    // leader acts, as with kube-controller-manager.
+    readiness.set_ready(true);
+    if args.leader_elect {
+        let timing = strait_mirror::leader::ElectionTiming {
+            lease_duration: args.leader_lease_duration,
+            renew_deadline: args.leader_renew_deadline,
+            retry_period: args.leader_retry_period,
+        };
+        timing.check()?;
+        let mut leadership = strait_mirror::leader::start(
+            client.clone(),
+            &args.namespace,
+            strait_mesh::link::MIRROR_HEARTBEAT_LEASE,
+            strait_mirror::heartbeat::holder(),
+            timing,
+            metrics.leader.clone(),
+        );
+        tracing::info!(identity = %strait_mirror::heartbeat::holder(), "standing by until this replica holds the leader Lease");
+        leadership.acquired().await;
+        tokio::spawn(async move {
+            leadership.lost().await;
+            // Exiting stops every Link worker and the MCS controller at once,
+            // before another replica may take the Lease over.
+            eprintln!("Error: lost the leader Lease; exiting so that only the new leader writes");
+            std::process::exit(1);
+        });
+    } else {
+        metrics.leader.set(1);
+    }
     if !args.coredns_configmap.is_empty() {
         let Some((ns, name)) = args.coredns_configmap.split_once('/') else {
             anyhow::bail!(
@@ -115,17 +175,6 @@ async fn main() -> anyhow::Result<()> {
             strait_mesh::names::CLUSTERSET_DOMAIN.to_string(),
         ));
     }
-    if let Some(name) = args.cluster_name.clone() {
-        // In the background: the MCS CRDs may arrive after the controller.
-        let client = client.clone();
-        tokio::spawn(async move {
-            if let Err(e) = strait_mirror::clusterset::ensure_cluster_name(&client, &name).await {
-                tracing::error!("{e}");
-                eprintln!("Error: {e}");
-                std::process::exit(1);
-            }
-        });
-    }
     let identity = workload
         .as_ref()
         .map(|w| strait_mirror::probe::ProbeIdentity {
@@ -137,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         strait_mirror::resolve::DnsConfig::Servers(args.dns_server)
     };
-    readiness.set_ready(true);
+    let namespace = args.namespace.clone();
     let clusterset = args
         .cluster_name
         .map(|name| (name, strait_mirror::mcs::ClustersetFeed::default()));
@@ -149,16 +198,27 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
     strait_mirror::run(
-        client,
+        client.clone(),
         strait_mirror::MirrorConfig {
-            namespace: args.namespace,
+            namespace: namespace.clone(),
             token_renew_at: args.token_renew_at,
             metrics,
             identity,
             dns,
             clusterset,
+            heartbeat: !args.leader_elect,
         },
     )
     .await;
+    // Shut down by a signal: hand the lead over now rather than when it expires.
+    if args.leader_elect {
+        strait_mirror::leader::release(
+            client,
+            &namespace,
+            strait_mesh::link::MIRROR_HEARTBEAT_LEASE,
+            &strait_mirror::heartbeat::holder(),
+        )
+        .await;
+    }
     Ok(())
 }

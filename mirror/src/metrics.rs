@@ -28,6 +28,8 @@ pub struct MirrorMetrics {
     pub gateway_alive: Family<LinkLabels, Gauge>,
     pub probe_latency: Family<LinkLabels, Histogram>,
     pub probe_failures: Family<LinkLabels, Counter>,
+    /// 1 while this replica holds the leader Lease (and so mirrors).
+    pub leader: Gauge,
 }
 
 impl Default for MirrorMetrics {
@@ -44,6 +46,7 @@ impl Default for MirrorMetrics {
                 Histogram::new(exponential_buckets(0.0005, 2.0, 16))
             }),
             probe_failures: Family::default(),
+            leader: Gauge::default(),
         }
     }
 }
@@ -94,6 +97,11 @@ impl MirrorMetrics {
             "mirror_gateway_probe_failures",
             "Gateway probes that failed",
             self.probe_failures.clone(),
+        );
+        registry.register(
+            "mirror_leader",
+            "1 while this replica holds the leader Lease and mirrors, 0 while it stands by",
+            self.leader.clone(),
         );
     }
 }

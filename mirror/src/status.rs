@@ -98,6 +98,26 @@ impl LinkHealth {
             message: message.into(),
         }
     }
+    /// This Link mirrors its cluster (no older Link claims the same name).
+    pub fn accepted() -> Self {
+        Self {
+            condition: "Accepted",
+            status: "True",
+            reason: "Accepted".into(),
+            message: "this Link mirrors its cluster".into(),
+        }
+    }
+    /// An older Link claims the same cluster name: this one mirrors nothing.
+    pub fn duplicate_cluster_name(cluster: &str, older: &str) -> Self {
+        Self {
+            condition: "Accepted",
+            status: "False",
+            reason: "DuplicateClusterName".into(),
+            message: format!(
+                "the Link {older} already mirrors cluster {cluster:?} (it is older): this Link is refused and mirrors nothing; delete one of them or give this one another targetClusterName (it takes over within seconds of {older} being deleted)"
+            ),
+        }
+    }
     fn ok(&self) -> bool {
         self.status == "True"
     }

@@ -390,7 +390,8 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
     assert_eq!(port_numbers(&db), [(String::new(), 5432)], "untouched");
     assert!(db.labels().get("app.kubernetes.io/managed-by").is_none());
 
-    // 5. A second Link to a cluster named west is refused with a condition.
+    // 5. A second Link to a cluster named west is refused with a condition
+    //    (by the controller, before it could join the clusterset).
     link_with(
         &ec,
         "west-again",
@@ -400,10 +401,11 @@ async fn exports_become_imports_in_every_cluster_with_conflicts_resolved() {
     .await;
     let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
     eventually("the duplicate Link to be refused", WAIT, || async {
-        match condition(&links, "west-again", "ClustersetMember").await {
+        match condition(&links, "west-again", "Accepted").await {
             Some((status, message))
                 if status == "False"
-                    && message.contains("already links a cluster named \"west\"") =>
+                    && message
+                        .contains("strait-multicluster/west already mirrors cluster \"west\"") =>
             {
                 Ok(())
             }

@@ -498,7 +498,7 @@ impl Controller {
                 let key = (slice.namespace().unwrap_or_default(), slice.name_any());
                 if managed && !wanted.contains(&key) {
                     let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &key.0);
-                    match api.delete(&key.1, &DeleteParams::default()).await {
+                    match api.delete(&key.1, &only_this(slice.as_ref())).await {
                         Ok(_) | Err(kube::Error::Api(_)) => {}
                         Err(e) => {
                             tracing::warn!(slice = %format!("{}/{}", key.0, key.1), "deleting: {e}")
@@ -513,7 +513,7 @@ impl Controller {
                 let key = (import.namespace().unwrap_or_default(), import.name_any());
                 if ours(import.labels()) && !exports.contains_key(&key) {
                     let api: Api<ServiceImport> = Api::namespaced(self.client.clone(), &key.0);
-                    match api.delete(&key.1, &DeleteParams::default()).await {
+                    match api.delete(&key.1, &only_this(import.as_ref())).await {
                         Ok(_) => {
                             tracing::info!(import = %format!("{}/{}", key.0, key.1), "no cluster exports it any more: ServiceImport deleted")
                         }
@@ -685,12 +685,21 @@ impl Controller {
         }
         // The derived Service: the ClusterSetIP.
         let services: Api<Service> = Api::namespaced(self.client.clone(), ns);
+        if let Some(svc) = &derived_service
+            && !ours(svc.labels())
+        {
+            return Err(format!(
+                "Service {ns}/{derived} (this import's ClusterSetIP) exists and was not created by Strait (no label {}={}): left alone; delete it to let Strait manage it",
+                MANAGED_BY.0, MANAGED_BY.1
+            ));
+        }
         if r.service.type_ == ServiceImportType::Headless {
-            if derived_service.is_some() {
-                services
-                    .delete(&derived, &DeleteParams::default())
-                    .await
-                    .map_err(|e| format!("deleting Service {ns}/{derived}: {e}"))?;
+            if let Some(svc) = &derived_service {
+                match services.delete(&derived, &only_this(svc.as_ref())).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(format!("deleting Service {ns}/{derived}: {e}")),
+                }
             }
             return Ok(());
         }
@@ -859,6 +868,18 @@ impl Controller {
             if same {
                 continue;
             }
+            if let Some(c) = &current
+                && c.labels()
+                    .get(crate::mirror::MANAGED_BY_LABEL)
+                    .map(String::as_str)
+                    != Some(slices::MANAGED_BY)
+            {
+                return Err(format!(
+                    "EndpointSlice {ns}/{slice_name} exists and was not created by Strait (no label {}={}): left alone; delete it to let Strait manage it",
+                    crate::mirror::MANAGED_BY_LABEL,
+                    slices::MANAGED_BY
+                ));
+            }
             let mut body = serde_json::to_value(&desired).map_err(|e| e.to_string())?;
             body["apiVersion"] = json!("discovery.k8s.io/v1");
             body["kind"] = json!("EndpointSlice");
@@ -1003,6 +1024,18 @@ fn condition_event_type(c: &Condition) -> EventType {
     match (c.type_.as_str(), c.status.as_str()) {
         ("Valid", "False") | ("Conflict", "True") | ("Ready", "False") => EventType::Warning,
         _ => EventType::Normal,
+    }
+}
+
+/// Deletes only the version looked at: an object replaced meanwhile (by a
+/// user, say) is not deleted (uid and resourceVersion preconditions).
+fn only_this<K: Resource>(object: &K) -> DeleteParams {
+    DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: object.meta().uid.clone(),
+            resource_version: object.meta().resource_version.clone(),
+        }),
+        ..DeleteParams::default()
     }
 }
 

@@ -22,29 +22,34 @@ pub(super) fn key_of<K: ResourceExt>(object: &K) -> Key {
     (object.namespace().unwrap_or_default(), object.name_any())
 }
 
-/// What this worker last applied, by key: a hash of the object it sent.
+/// One object this worker wrote: a hash of what it sent, and the identity
+/// (uid) and version (resourceVersion) the API server gave it, which tell
+/// this worker's own writes from someone else's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Written {
+    pub hash: u64,
+    pub uid: String,
+    pub version: String,
+}
+
+/// What this worker last applied, by key.
 #[derive(Default)]
 pub(super) struct Applied {
-    pub services: HashMap<Key, u64>,
-    pub slices: HashMap<Key, u64>,
+    pub services: HashMap<Key, Written>,
+    pub slices: HashMap<Key, Written>,
     /// Cluster IPs the API server gave our per-pod mirrors.
     pub cluster_ips: HashMap<Key, String>,
 }
 
 impl Applied {
-    /// Whether this worker applied a Service under `key` (so it is ours).
-    pub fn owns(&self, key: &Key) -> bool {
-        self.services.contains_key(key)
-    }
-
     /// The hash of `service` when it differs from the last one applied.
     pub fn service_changed(&self, key: &Key, service: &Service) -> Option<u64> {
-        changed(self.services.get(key), service)
+        changed(self.services.get(key).map(|w| &w.hash), service)
     }
 
     /// The hash of `slice` when it differs from the last one applied.
     pub fn slice_changed(&self, key: &Key, slice: &EndpointSlice) -> Option<u64> {
-        changed(self.slices.get(key), slice)
+        changed(self.slices.get(key).map(|w| &w.hash), slice)
     }
 
     pub fn forget(&mut self, key: &Key) {
@@ -176,8 +181,14 @@ mod tests {
         let mut applied = Applied::default();
         let first = applied.service_changed(&key, &service("web-west", "10.0.0.1"));
         let hash = first.expect("never applied: changed");
-        applied.services.insert(key.clone(), hash);
-        assert!(applied.owns(&key));
+        applied.services.insert(
+            key.clone(),
+            Written {
+                hash,
+                uid: "u1".into(),
+                version: "1".into(),
+            },
+        );
         assert_eq!(
             applied.service_changed(&key, &service("web-west", "10.0.0.1")),
             None
@@ -188,6 +199,10 @@ mod tests {
                 .is_some()
         );
         applied.forget(&key);
-        assert!(!applied.owns(&key));
+        assert!(
+            applied
+                .service_changed(&key, &service("web-west", "10.0.0.1"))
+                .is_some()
+        );
     }
 }

@@ -9,6 +9,7 @@
 //! it answers again.
 
 mod diff;
+mod local;
 mod status;
 mod watch;
 mod write;
@@ -171,6 +172,10 @@ async fn mirror_link(
         };
         sync(here, spec, stores, applied, status, pass).await
     };
+    // This Link's mirrors here: one deleted or edited by someone else is
+    // written again within a pass (see `local`).
+    let mut mirrors_here =
+        local::LocalMirrors::start(here.client, &write::mirrors_of(&spec.target_cluster_name));
     pass(&mut applied, &gateways, Pass::full()).await;
     loop {
         if staleness.went_stale(Instant::now()) {
@@ -204,6 +209,14 @@ async fn mirror_link(
                     status.set_health(LinkHealth::remote_unreachable(&e)).await;
                 }
             },
+            Some(first) = mirrors_here.seen.recv() => {
+                // Coalesce: a pass's own writes come back in a burst.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let suspects = local::foreign(mirrors_here.drain(first), &applied);
+                if !suspects.is_empty() && local::verify(here.client, suspects, &mut applied).await {
+                    pass(&mut applied, &gateways, Pass::stale(staleness.is_stale())).await;
+                }
+            }
             // Periodic pass: retries failed writes (a namespace created later, a conflict
             // removed); also wakes the staleness check.
             _ = tokio::time::sleep(staleness.recheck()) => {
@@ -354,7 +367,7 @@ async fn sync(
             .collect()
     };
     for key in unwanted {
-        if delete_mirror(local.client, &key.0, &key.1).await {
+        if delete_mirror(local.client, cluster, &key.0, &key.1).await {
             applied.forget(&key);
         }
     }

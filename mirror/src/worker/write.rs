@@ -4,19 +4,41 @@
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use strait_mesh::link::LinkSpec;
 use strait_mesh::names::{CLUSTER_NAME_LABEL, MIRRORED_LABEL};
 
-use super::diff::{Applied, Desired, Key, key_of};
+use super::diff::{Applied, Desired, Key, Written, key_of};
 use super::status::Refusal;
 use crate::config::LocalServices;
 use crate::mirror;
 
 /// Field manager of every write.
 pub const FIELD_MANAGER: &str = "strait-mirror";
+
+/// The one rule for what Strait may overwrite or delete: a local Service or
+/// EndpointSlice is the mirror of `cluster` when it carries the labels Strait
+/// sets (`strait.dev/mirrored-service=true`, `strait.dev/cluster-name=<cluster>`)
+/// and Strait's field manager wrote it. Anything else of the same name (a
+/// user's Service, another Link's mirror) is never touched.
+pub fn is_mirror_of(meta: &ObjectMeta, cluster: &str) -> bool {
+    let label = |k: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .map(String::as_str)
+    };
+    label(MIRRORED_LABEL) == Some("true")
+        && label(CLUSTER_NAME_LABEL) == Some(cluster)
+        && meta
+            .managed_fields
+            .iter()
+            .flatten()
+            .any(|m| m.manager.as_deref() == Some(FIELD_MANAGER))
+}
 
 /// How many remote Services are mirrored at once: an initial sync of
 /// thousands is dominated by API round trips, not CPU.
@@ -33,20 +55,20 @@ pub(super) struct Local<'a> {
 /// once every Service of the pass is done (they run concurrently).
 #[derive(Default)]
 pub(super) struct Writes {
-    services: Vec<(Key, u64, Option<String>)>,
-    slices: Vec<(Key, u64)>,
+    services: Vec<(Key, Written, Option<String>)>,
+    slices: Vec<(Key, Written)>,
 }
 
 impl Writes {
     pub fn merge_into(self, applied: &mut Applied) {
-        for (key, hash, ip) in self.services {
+        for (key, written, ip) in self.services {
             if let Some(ip) = ip {
                 applied.cluster_ips.insert(key.clone(), ip);
             }
-            applied.services.insert(key, hash);
+            applied.services.insert(key, written);
         }
-        for (key, hash) in self.slices {
-            applied.slices.insert(key, hash);
+        for (key, written) in self.slices {
+            applied.slices.insert(key, written);
         }
     }
 
@@ -72,14 +94,23 @@ pub(super) async fn write_desired(
     let mut writes = Writes::default();
     let result = match desired {
         Desired::Service { service, slice } => {
-            apply(local, &service, slice.as_ref(), cache, &mut writes).await
+            apply(local, spec, &service, slice.as_ref(), cache, &mut writes).await
         }
         Desired::Headless { service, pods } => {
             let mut outcome = Ok(());
             let mut written = Vec::new();
             for pod in pods {
                 let key = key_of(&pod.service);
-                match apply(local, &pod.service, pod.slice.as_ref(), cache, &mut writes).await {
+                match apply(
+                    local,
+                    spec,
+                    &pod.service,
+                    pod.slice.as_ref(),
+                    cache,
+                    &mut writes,
+                )
+                .await
+                {
                     Ok(()) => {
                         if let Some(ip) = writes.cluster_ip(cache, &key) {
                             written.push((pod.hostname, ip, pod.ready));
@@ -89,7 +120,7 @@ pub(super) async fn write_desired(
                 }
             }
             let slice = mirror::headless_endpoint_slice(&service, spec, &written);
-            apply(local, &service, slice.as_ref(), cache, &mut writes)
+            apply(local, spec, &service, slice.as_ref(), cache, &mut writes)
                 .await
                 .and(outcome)
         }
@@ -97,9 +128,11 @@ pub(super) async fn write_desired(
     (result, writes)
 }
 
-/// Applies a mirror Service and its slice where they differ from the cache.
+/// Applies a mirror Service and its slice where they differ from the cache,
+/// only over objects that are this cluster's mirrors ([`is_mirror_of`]).
 async fn apply(
     local: Local<'_>,
+    spec: &LinkSpec,
     service: &Service,
     slice: Option<&EndpointSlice>,
     cache: &Applied,
@@ -107,51 +140,125 @@ async fn apply(
 ) -> Result<(), Refusal> {
     let key = key_of(service);
     let (ns, name) = key.clone();
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let cluster = &spec.target_cluster_name;
     if let Some(hash) = cache.service_changed(&key, service) {
-        // Never take over a Service that is not ours.
-        if !cache.owns(&key)
-            && let Some(existing) = local.services.get(&ObjectRef::new(&name).within(&ns))
-            && existing.labels().get(MIRRORED_LABEL).map(String::as_str) != Some("true")
+        // Never take over a Service that is not ours (the store may lag a
+        // moment; the apply below refuses then too, see `apply_owned`).
+        if let Some(existing) = local.services.get(&ObjectRef::new(&name).within(&ns))
+            && !is_mirror_of(&existing.metadata, cluster)
         {
-            return Err(Refusal::NameConflict {
-                namespace: ns,
-                name,
-            });
+            return Err(Refusal::name_conflict("Service", &key, &existing.metadata));
         }
         let body = with_type_meta(service, "v1", "Service");
-        match Api::<Service>::namespaced(local.client.clone(), &ns)
-            .patch(&name, &params, &Patch::Apply(&body))
-            .await
-        {
-            Ok(written) => {
-                let ip = written
-                    .spec
-                    .and_then(|s| s.cluster_ip)
-                    .filter(|ip| ip != "None");
-                writes.services.push((key.clone(), hash, ip));
-                tracing::debug!(service = %format!("{ns}/{name}"), "mirror service applied");
-            }
-            Err(kube::Error::Api(e)) if e.code == 404 => {
-                return Err(Refusal::NamespaceMissing { namespace: ns });
-            }
-            Err(source) => return Err(Refusal::api("Service", &key, source)),
-        }
+        let api = Api::<Service>::namespaced(local.client.clone(), &ns);
+        let written = apply_owned(
+            &api,
+            &key,
+            cluster,
+            &body,
+            cache.services.contains_key(&key),
+        )
+        .await
+        .map_err(|e| match e {
+            ApplyError::Api(kube::Error::Api(e)) if e.code == 404 => Refusal::NamespaceMissing {
+                namespace: ns.clone(),
+            },
+            e => e.into_refusal("Service", &key),
+        })?;
+        let ip = written
+            .spec
+            .as_ref()
+            .and_then(|s| s.cluster_ip.clone())
+            .filter(|ip| ip != "None");
+        writes
+            .services
+            .push((key.clone(), written_of(hash, &written), ip));
+        tracing::debug!(service = %format!("{ns}/{name}"), "mirror service applied");
     }
     if let Some(slice) = slice
         && let Some(hash) = cache.slice_changed(&key, slice)
     {
         let body = with_type_meta(slice, "discovery.k8s.io/v1", "EndpointSlice");
-        Api::<EndpointSlice>::namespaced(local.client.clone(), &ns)
-            .patch(&name, &params, &Patch::Apply(&body))
+        let api = Api::<EndpointSlice>::namespaced(local.client.clone(), &ns);
+        let written = apply_owned(&api, &key, cluster, &body, cache.slices.contains_key(&key))
             .await
-            .map_err(|source| Refusal::api("EndpointSlice", &key, source))?;
-        writes.slices.push((key, hash));
+            .map_err(|e| e.into_refusal("EndpointSlice", &key))?;
+        writes.slices.push((key, written_of(hash, &written)));
     }
     Ok(())
 }
 
-fn mirrors_of(cluster: &str) -> String {
+fn written_of<K: Resource>(hash: u64, object: &K) -> Written {
+    let meta = object.meta();
+    Written {
+        hash,
+        uid: meta.uid.clone().unwrap_or_default(),
+        version: meta.resource_version.clone().unwrap_or_default(),
+    }
+}
+
+enum ApplyError {
+    /// The object exists and is not this cluster's mirror.
+    NotOurs(Box<ObjectMeta>),
+    Api(kube::Error),
+}
+
+impl ApplyError {
+    fn into_refusal(self, kind: &'static str, key: &Key) -> Refusal {
+        match self {
+            ApplyError::NotOurs(meta) => Refusal::name_conflict(kind, key, &meta),
+            ApplyError::Api(source) => Refusal::api(kind, key, source),
+        }
+    }
+}
+
+/// Server-side apply that takes fields over (`force`) only on this cluster's
+/// mirrors. An object this worker never wrote is applied without force first:
+/// a foreign object that sets different values answers 409, and is then
+/// looked at; a hand-edited mirror of ours is then applied with force,
+/// restoring it.
+async fn apply_owned<K>(
+    api: &Api<K>,
+    (_, name): &Key,
+    cluster: &str,
+    body: &serde_json::Value,
+    written_before: bool,
+) -> Result<K, ApplyError>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if !written_before {
+        let first = api
+            .patch(
+                name,
+                &PatchParams::apply(FIELD_MANAGER),
+                &Patch::Apply(body),
+            )
+            .await;
+        match first {
+            Ok(written) if is_mirror_of(written.meta(), cluster) => return Ok(written),
+            // Applied beside someone else's fields, or refused by them: whose
+            // it is decides.
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(ApplyError::Api(e)),
+        }
+        let existing = api.get_metadata(name).await.map_err(ApplyError::Api)?;
+        if !is_mirror_of(&existing.metadata, cluster) {
+            return Err(ApplyError::NotOurs(Box::new(existing.metadata)));
+        }
+    }
+    api.patch(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(body),
+    )
+    .await
+    .map_err(ApplyError::Api)
+}
+
+/// The label selector of `cluster`'s mirrors.
+pub(super) fn mirrors_of(cluster: &str) -> String {
     format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={cluster}")
 }
 
@@ -199,26 +306,66 @@ pub(super) async fn list_local_mirrors(local: &Client, cluster: &str) -> kube::R
         .collect())
 }
 
-/// Deletes a mirror Service and its EndpointSlice. True when both are gone.
-pub async fn delete_mirror(local: &Client, ns: &str, name: &str) -> bool {
-    let svc = Api::<Service>::namespaced(local.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await;
-    let slice = Api::<EndpointSlice>::namespaced(local.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await;
-    fn gone<T>(r: &Result<T, kube::Error>) -> bool {
-        match r {
-            Ok(_) => true,
-            Err(kube::Error::Api(e)) => e.code == 404,
-            Err(_) => false,
-        }
-    }
-    let ok = gone(&svc) && gone(&slice);
+/// Deletes the mirror Service and EndpointSlice `ns/name` of `cluster`:
+/// each only if it is this cluster's mirror ([`is_mirror_of`]), and only the
+/// version looked at (uid and resourceVersion preconditions: a Service a
+/// user put in its place meanwhile is not deleted). True when no mirror of
+/// `cluster` is left under that name.
+pub async fn delete_mirror(local: &Client, cluster: &str, ns: &str, name: &str) -> bool {
+    let svc = delete_owned(
+        &Api::<Service>::namespaced(local.clone(), ns),
+        cluster,
+        name,
+    )
+    .await;
+    let slice = delete_owned(
+        &Api::<EndpointSlice>::namespaced(local.clone(), ns),
+        cluster,
+        name,
+    )
+    .await;
+    let ok = svc && slice;
     if ok {
         tracing::info!(service = %format!("{ns}/{name}"), "mirror removed");
     }
     ok
+}
+
+async fn delete_owned<K>(api: &Api<K>, cluster: &str, name: &str) -> bool
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let existing = match api.get_metadata_opt(name).await {
+        Ok(Some(m)) => m.metadata,
+        Ok(None) => return true,
+        Err(e) => {
+            tracing::debug!("reading {name} before deleting it: {e}");
+            return false;
+        }
+    };
+    if !is_mirror_of(&existing, cluster) {
+        tracing::info!(
+            object = %format!("{}/{name}", existing.namespace.unwrap_or_default()),
+            "not a mirror of {cluster} (labels or field manager differ): left alone"
+        );
+        return true;
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: existing.uid,
+            resource_version: existing.resource_version,
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => true,
+        Err(kube::Error::Api(e)) if e.code == 404 => true,
+        // Changed or replaced since it was read: the next pass looks again.
+        Err(e) => {
+            tracing::debug!("deleting {name}: {e}");
+            false
+        }
+    }
 }
 
 fn with_type_meta<T: serde::Serialize>(
@@ -230,4 +377,56 @@ fn with_type_meta<T: serde::Serialize>(
     value["apiVersion"] = api_version.into();
     value["kind"] = kind.into();
     value
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    fn meta(labels: &[(&str, &str)], managers: &[&str]) -> ObjectMeta {
+        ObjectMeta {
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            managed_fields: Some(
+                managers
+                    .iter()
+                    .map(|m| ManagedFieldsEntry {
+                        manager: Some(m.to_string()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_mirror_is_ours_only_with_our_labels_for_this_cluster_and_our_field_manager() {
+        let ours = [(MIRRORED_LABEL, "true"), (CLUSTER_NAME_LABEL, "west")];
+        assert!(is_mirror_of(
+            &meta(&ours, &[FIELD_MANAGER, "kubectl-edit"]),
+            "west"
+        ));
+        assert!(
+            !is_mirror_of(&meta(&ours, &[FIELD_MANAGER]), "east"),
+            "another cluster's mirror"
+        );
+        assert!(
+            !is_mirror_of(&meta(&ours, &["kubectl-create"]), "west"),
+            "dressed as a mirror, never written by Strait"
+        );
+        assert!(
+            !is_mirror_of(
+                &meta(&[(CLUSTER_NAME_LABEL, "west")], &[FIELD_MANAGER]),
+                "west"
+            ),
+            "the mirror label removed by hand"
+        );
+        assert!(!is_mirror_of(&ObjectMeta::default(), "west"));
+    }
 }
