@@ -14,6 +14,11 @@
 //! 3. `local-pods-back`: scaled back to 2: calls return to east.
 //! 4. `remote-gateway-killed`: affinity `none` (both clusters serve), then
 //!    west's gateway pod force-deleted (its Deployment starts another).
+//! 5. `gateway-replica-deleted`: west's gateway scaled to 2 replicas,
+//!    affinity `remote` (every call crosses it), then one gateway pod deleted
+//!    (an ordinary delete: it drains); visible when west's gateway Service
+//!    has one ready endpoint (east's mirror endpoints are west's node
+//!    addresses, which do not change: kube-proxy in west moves the flow).
 //!
 //! Per phase: requests, failed requests (goal 0), p50/p99, when the change
 //! became visible in east's API (the clusterset slice's ready count), and
@@ -60,11 +65,41 @@ impl Side {
     }
 }
 
-/// A change is visible in east's API when `cluster`'s clusterset slice has
-/// a ready count for which `done` holds.
-struct Visible {
-    cluster: &'static str,
-    done: fn(usize) -> bool,
+/// Whether a phase's change is visible in the API yet.
+type Visible = Box<dyn Fn() -> bool + Send>;
+
+/// Visible in east's API when `cluster`'s clusterset slice has a ready count
+/// for which `done` holds.
+fn slice_shows(east: &Path, cluster: &'static str, done: fn(usize) -> bool) -> Visible {
+    let east = east.to_path_buf();
+    Box::new(move || slice_ready(&east, cluster).is_some_and(done))
+}
+
+/// The ready endpoints of west's gateway Service (its pods).
+fn gateway_ready(west: &Path) -> Option<usize> {
+    let out = kubectl(
+        west,
+        &[
+            "get",
+            "endpointslices",
+            "-n",
+            "strait-system",
+            "-l",
+            "kubernetes.io/service-name=strait-gateway",
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+    Some(
+        v["items"]
+            .as_array()?
+            .iter()
+            .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+            .filter(|e| e["conditions"]["ready"] != false)
+            .count(),
+    )
 }
 
 struct Phase {
@@ -199,7 +234,7 @@ fn run_phase(
         }
         let Some(at) = changed_at else { continue };
         if let (None, Some(v)) = (visible_after, &phase.visible)
-            && slice_ready(east, v.cluster).is_some_and(v.done)
+            && v()
         {
             visible_after = Some(at.elapsed());
         }
@@ -307,7 +342,13 @@ fn main() {
     .expect("east's node proxy pod address");
     let metrics = SocketAddr::new(proxy_pod, 4191);
 
-    let (e1, e2, e3, w) = (east.clone(), east.clone(), east.clone(), west.clone());
+    let (e1, e2, e3, w, w2) = (
+        east.clone(),
+        east.clone(),
+        east.clone(),
+        west.clone(),
+        west.clone(),
+    );
     let phases = vec![
         Phase {
             name: "steady",
@@ -339,10 +380,7 @@ fn main() {
                     None,
                 );
             }),
-            visible: Some(Visible {
-                cluster: "east",
-                done: |n| n == 0,
-            }),
+            visible: Some(slice_shows(&east, "east", |n| n == 0)),
             leaves: Some(Side::Local),
         },
         Phase {
@@ -354,10 +392,7 @@ fn main() {
                     None,
                 );
             }),
-            visible: Some(Visible {
-                cluster: "east",
-                done: |n| n >= 1,
-            }),
+            visible: Some(slice_shows(&east, "east", |n| n >= 1)),
             leaves: Some(Side::Remote),
         },
         Phase {
@@ -379,9 +414,43 @@ fn main() {
                     None,
                 );
             }),
-            visible: Some(Visible {
-                cluster: "west",
-                done: |n| n == 0,
+            visible: Some(slice_shows(&east, "west", |n| n == 0)),
+            leaves: None,
+        },
+        Phase {
+            name: "gateway-replica-deleted",
+            change: Box::new(move || {
+                let pod = kubectl(
+                    &w2,
+                    &[
+                        "get",
+                        "pods",
+                        "-n",
+                        "strait-system",
+                        "-l",
+                        "app.kubernetes.io/name=strait-gateway",
+                        "-o",
+                        "jsonpath={.items[0].metadata.name}",
+                    ],
+                    None,
+                );
+                // An ordinary delete: SIGTERM, the gateway drains.
+                kubectl(
+                    &w2,
+                    &[
+                        "delete",
+                        "pod",
+                        "-n",
+                        "strait-system",
+                        pod.trim(),
+                        "--wait=false",
+                    ],
+                    None,
+                );
+            }),
+            visible: Some({
+                let west = west.clone();
+                Box::new(move || gateway_ready(&west) == Some(1))
             }),
             leaves: None,
         },
@@ -405,9 +474,46 @@ fn main() {
             );
             std::thread::sleep(Duration::from_secs(3));
         }
+        if phase.name == "gateway-replica-deleted" {
+            // Every call crosses west's gateway, which runs two replicas.
+            kubectl(
+                &west,
+                &[
+                    "scale",
+                    "-n",
+                    "strait-system",
+                    "deployment/strait-gateway",
+                    "--replicas=2",
+                ],
+                None,
+            );
+            wait_ready(&west, "strait-system", "deployment/strait-gateway").unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while gateway_ready(&west) != Some(2) {
+                assert!(
+                    Instant::now() < deadline,
+                    "west's gateway never had 2 ready pods"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            kubectl(
+                &east,
+                &[
+                    "annotate",
+                    "--overwrite",
+                    "serviceexport",
+                    "-n",
+                    "shop",
+                    "web",
+                    "strait.dev/affinity=remote",
+                ],
+                None,
+            );
+            std::thread::sleep(Duration::from_secs(3));
+        }
         let o = run_phase(&east, proxy, metrics, rate, secs, phase);
         let line = format!(
-            "MEASURED failover {}: {} requests, {} failed {}, p50 {} ms, p99 {} ms, max {} ms; change visible in east's API after {}, last call to the side left {} after the change; calls local {} / remote {}",
+            "MEASURED failover {}: {} requests, {} failed {}, p50 {} ms, p99 {} ms, max {} ms; change visible in the API after {}, last call to the side left {} after the change; calls local {} / remote {}",
             phase.name,
             o.load["requests"],
             o.load["errors"],

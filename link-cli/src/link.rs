@@ -445,21 +445,45 @@ pub async fn unlink(args: UnlinkArgs) -> anyhow::Result<()> {
             );
         }
     }
-    // Mirrors left without a controller (none running) go too.
+    // Mirrors left without a controller (none running) go too: only what is
+    // Strait's mirror of this cluster (the controller's ownership rule), and
+    // only the object that was read (uid and resourceVersion preconditions).
     let selector = format!("{MIRRORED_LABEL}=true,{CLUSTER_NAME_LABEL}={name}");
+    let delete_if_ours = |meta: &kube::api::ObjectMeta| {
+        strait_mesh::names::is_mirror_of(meta, name).then(|| DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: meta.uid.clone(),
+                resource_version: meta.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        })
+    };
     for svc in Api::<Service>::all(source.clone())
         .list_metadata(&ListParams::default().labels(&selector))
         .await?
         .items
     {
         let ns = svc.namespace().unwrap_or_default();
-        let _ = Api::<Service>::namespaced(source.clone(), &ns)
-            .delete(&svc.name_any(), &DeleteParams::default())
-            .await;
-        let _ =
-            Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::namespaced(source.clone(), &ns)
-                .delete(&svc.name_any(), &DeleteParams::default())
+        if let Some(dp) = delete_if_ours(&svc.metadata) {
+            let _ = Api::<Service>::namespaced(source.clone(), &ns)
+                .delete(&svc.name_any(), &dp)
                 .await;
+        }
+    }
+    for slice in Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::all(source.clone())
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let ns = slice.namespace().unwrap_or_default();
+        if let Some(dp) = delete_if_ours(&slice.metadata) {
+            let _ = Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::namespaced(
+                source.clone(),
+                &ns,
+            )
+            .delete(&slice.name_any(), &dp)
+            .await;
+        }
     }
     let _ = Api::<Secret>::namespaced(source.clone(), LINK_NAMESPACE)
         .delete(

@@ -152,6 +152,21 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
             .all(|s| s.type_.as_deref() != Some("kubernetes.io/service-account-token"))
     );
 
+    // A user's Service that looks like a mirror (the labels) but was not
+    // written by Strait: unlink must leave it.
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "lookalike-west", "labels": {
+                    "strait.dev/mirrored-service": "true", "strait.dev/cluster-name": "west"}},
+                "spec": {"ports": [{"port": 80}]},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+
     // Unlink: the Link, its Secret and mirrors on east; the access objects on west.
     let out = Command::new(env!("CARGO_BIN_EXE_strait"))
         .arg("unlink")
@@ -173,10 +188,18 @@ async fn link_output_applied_with_kubectl_mirrors_and_unlink_removes_everything(
         String::from_utf8_lossy(&out.stderr)
     );
     let links: Api<Link> = Api::namespaced(ec.clone(), "strait-multicluster");
-    assert!(links.get_opt("west").await.unwrap().is_none());
+    assert!(
+        links.get_opt("west").await.unwrap().is_none(),
+        "the Link is still there: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         services.get_opt("web-west").await.unwrap().is_none(),
         "mirror left after unlink"
+    );
+    assert!(
+        services.get_opt("lookalike-west").await.unwrap().is_some(),
+        "unlink deleted a Service Strait did not write"
     );
     assert!(
         Api::<Secret>::namespaced(ec.clone(), "strait-multicluster")

@@ -28,6 +28,34 @@ pub const EXPORT_LABEL: &str = "strait.dev/exported";
 pub const MIRRORED_LABEL: &str = "strait.dev/mirrored-service";
 /// Label naming the cluster a mirror comes from.
 pub const CLUSTER_NAME_LABEL: &str = "strait.dev/cluster-name";
+
+/// Field manager of every mirror write (the mirror controller's).
+pub const MIRROR_FIELD_MANAGER: &str = "strait-mirror";
+
+/// The one rule for what Strait may overwrite or delete: a local Service or
+/// EndpointSlice is the mirror of `cluster` when it carries the labels Strait
+/// sets (`strait.dev/mirrored-service=true`, `strait.dev/cluster-name=<cluster>`)
+/// and Strait's field manager wrote it. Anything else of the same name (a
+/// user's Service, another Link's mirror) is never touched: not by the mirror
+/// controller, not by `strait unlink`.
+pub fn is_mirror_of(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    cluster: &str,
+) -> bool {
+    let label = |k: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .map(String::as_str)
+    };
+    label(MIRRORED_LABEL) == Some("true")
+        && label(CLUSTER_NAME_LABEL) == Some(cluster)
+        && meta
+            .managed_fields
+            .iter()
+            .flatten()
+            .any(|m| m.manager.as_deref() == Some(MIRROR_FIELD_MANAGER))
+}
 /// Label on per-pod mirrors naming the headless mirror they belong to.
 pub const HEADLESS_OWNER_LABEL: &str = "strait.dev/headless-mirror-svc-name";
 

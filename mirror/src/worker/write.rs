@@ -16,29 +16,7 @@ use super::status::Refusal;
 use crate::config::LocalServices;
 use crate::mirror;
 
-/// Field manager of every write.
-pub const FIELD_MANAGER: &str = "strait-mirror";
-
-/// The one rule for what Strait may overwrite or delete: a local Service or
-/// EndpointSlice is the mirror of `cluster` when it carries the labels Strait
-/// sets (`strait.dev/mirrored-service=true`, `strait.dev/cluster-name=<cluster>`)
-/// and Strait's field manager wrote it. Anything else of the same name (a
-/// user's Service, another Link's mirror) is never touched.
-pub fn is_mirror_of(meta: &ObjectMeta, cluster: &str) -> bool {
-    let label = |k: &str| {
-        meta.labels
-            .as_ref()
-            .and_then(|l| l.get(k))
-            .map(String::as_str)
-    };
-    label(MIRRORED_LABEL) == Some("true")
-        && label(CLUSTER_NAME_LABEL) == Some(cluster)
-        && meta
-            .managed_fields
-            .iter()
-            .flatten()
-            .any(|m| m.manager.as_deref() == Some(FIELD_MANAGER))
-}
+pub use strait_mesh::names::{MIRROR_FIELD_MANAGER as FIELD_MANAGER, is_mirror_of};
 
 /// How many remote Services are mirrored at once: an initial sync of
 /// thousands is dominated by API round trips, not CPU.
