@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests: formatting, lints, then every test against real control planes.
+# The tests: formatting, lints, fuzzing, then every test against real control planes.
 # This is what CI runs (.ci/run). Cold: the control plane builds first (many
 # minutes on 2 cores, progress shown); warm: a few minutes.
 source "$(dirname "$0")/lib.sh"
@@ -16,6 +16,8 @@ say "cargo fmt --check"
 cargo fmt --all -- --check
 say "cargo clippy --all-targets -- -D warnings"
 cargo clippy --quiet --workspace --all-targets -- -D warnings
+say "fuzz: every target for a fixed time (scripts/fuzz.sh)"
+"$STRAIT_ROOT/scripts/fuzz.sh"
 build_control_plane
 say "cargo test --workspace"
 log="$(mktemp)"

@@ -2,6 +2,7 @@
 //! ones are refused for the reason they were written to show.
 
 use strait_mesh::identity::protocol::parse_request;
+use strait_mesh::policy::parse_allowed;
 use strait_mesh::tunnel::{
     HeaderError, Protocol, ResponseStatus, Target, TunnelHeader, TunnelResponse,
 };
@@ -17,13 +18,13 @@ fn seed(name: &str) -> Vec<u8> {
 #[test]
 fn seeds_parse_as_intended() {
     assert!(
-        parse_request(&seed("valid_self.json"))
+        parse_request(&seed("issuer_request/valid_self.json"))
             .unwrap()
             .pod
             .is_none()
     );
     assert_eq!(
-        parse_request(&seed("valid_pod.json"))
+        parse_request(&seed("issuer_request/valid_pod.json"))
             .unwrap()
             .pod
             .unwrap()
@@ -31,11 +32,15 @@ fn seeds_parse_as_intended() {
         "web-0"
     );
     assert_eq!(
-        parse_request(&seed("bad_pod.json")).unwrap_err().reason(),
+        parse_request(&seed("issuer_request/bad_pod.json"))
+            .unwrap_err()
+            .reason(),
         "bad_pod_ref"
     );
     assert_eq!(
-        parse_request(&seed("not_pem.json")).unwrap_err().reason(),
+        parse_request(&seed("issuer_request/not_pem.json"))
+            .unwrap_err()
+            .reason(),
         "bad_csr"
     );
 }
@@ -78,4 +83,18 @@ fn tunnel_header_seeds_decode_as_intended() {
         response("response_denied.bin").unwrap().0.status,
         ResponseStatus::Denied
     );
+}
+
+#[test]
+fn policy_seeds_parse_as_intended() {
+    let value = |name: &str| String::from_utf8(seed(&format!("policy/{name}"))).unwrap();
+    let counts = |name: &str| {
+        let (patterns, errors) = parse_allowed(&value(name));
+        (patterns.len(), errors.len())
+    };
+    assert_eq!(counts("exact.txt"), (1, 0));
+    assert_eq!(counts("wildcards.txt"), (1, 0));
+    assert_eq!(counts("list_with_spaces.txt"), (2, 0));
+    assert_eq!(counts("bad_entries.txt"), (0, 4));
+    assert_eq!(counts("carriers.txt"), (3, 0));
 }

@@ -42,6 +42,19 @@ pub fn claims(jwt: &str) -> Option<TokenClaims> {
     })
 }
 
+impl TokenClaims {
+    /// The token's lifetime in seconds (at least 1) and when to renew it: after
+    /// `renew_at` of its lifetime. The claims are whatever the Secret's token
+    /// says (unverified), so the arithmetic saturates.
+    pub fn renewal(&self, renew_at: f64) -> (i64, i64) {
+        let lifetime = self.expires_at.saturating_sub(self.issued_at).max(1);
+        // `as` saturates a float (NaN becomes 0); rounding may not pass expiry.
+        let after = ((lifetime as f64 * renew_at) as i64).clamp(0, lifetime);
+        let due = self.issued_at.saturating_add(after);
+        (lifetime, due)
+    }
+}
+
 fn kubeconfig_of(secret: &Secret) -> Option<serde_yaml::Value> {
     let bytes = secret.data.as_ref()?.get("kubeconfig")?.0.clone();
     serde_yaml::from_slice(&bytes).ok()
@@ -86,9 +99,11 @@ pub async fn keep_fresh(local: Client, remote: Client, link: Link, renew_at: f64
             tracing::info!(secret = %secret_name, "link token is not a bound ServiceAccount token; not renewing it");
             return;
         };
-        let lifetime = (c.expires_at - c.issued_at).max(1);
-        let due = c.issued_at + (lifetime as f64 * renew_at) as i64;
-        tokio::time::sleep(Duration::from_secs((due - unix_now()).max(0) as u64)).await;
+        let (lifetime, due) = c.renewal(renew_at);
+        tokio::time::sleep(Duration::from_secs(
+            due.saturating_sub(unix_now()).max(0) as u64
+        ))
+        .await;
 
         let request: TokenRequest =
             serde_json::from_value(json!({"spec": {"expirationSeconds": lifetime.max(600)}}))
@@ -149,5 +164,23 @@ mod tests {
         let user = base64::engine::general_purpose::URL_SAFE_NO_PAD
             .encode(r#"{"iat":1,"exp":2,"sub":"alice"}"#);
         assert!(claims(&format!("h.{user}.s")).is_none());
+    }
+
+    /// Found by the `jwt` fuzz target: claims at the ends of i64 overflowed.
+    #[test]
+    fn renewal_is_due_within_the_lifetime_for_any_claims() {
+        let at = |issued_at, expires_at| TokenClaims {
+            issued_at,
+            expires_at,
+            namespace: "ns".into(),
+            service_account: "sa".into(),
+        };
+        assert_eq!(at(100, 1100).renewal(0.5), (1000, 600));
+        assert_eq!(at(100, 1100).renewal(2.0), (1000, 1100));
+        assert_eq!(at(100, 50).renewal(0.7), (1, 100));
+        assert_eq!(at(i64::MIN, i64::MAX).renewal(0.7).0, i64::MAX);
+        let (lifetime, due) = at(i64::MAX - 10, i64::MAX).renewal(1.0);
+        assert_eq!((lifetime, due), (10, i64::MAX));
+        assert_eq!(at(0, i64::MAX).renewal(1.0), (i64::MAX, i64::MAX));
     }
 }

@@ -33,17 +33,22 @@ pub fn jwt_times(token: &str) -> Result<(Option<i64>, i64), String> {
 /// Judges a link token: expired fails; less than a quarter of its life left
 /// (the controller renews at 70 %, so it should never get there), or under an
 /// hour when its issue time is unknown, warns.
+///
+/// The claims are whatever the token says: the arithmetic saturates.
 pub fn judge_token(now: i64, iat: Option<i64>, exp: i64) -> (Level, String) {
     if now >= exp {
         return (
             Level::Fail,
-            format!("the link token expired {} ago", short_duration(now - exp)),
+            format!(
+                "the link token expired {} ago",
+                short_duration(now.saturating_sub(exp))
+            ),
         );
     }
-    let left = exp - now;
-    let lifetime = iat.map(|i| exp - i).filter(|l| *l > 0);
+    let left = exp.saturating_sub(now);
+    let lifetime = iat.map(|i| exp.saturating_sub(i)).filter(|l| *l > 0);
     let low = match lifetime {
-        Some(l) => left * 4 < l,
+        Some(l) => i128::from(left) * 4 < i128::from(l),
         None => left < 3600,
     };
     let of = lifetime
@@ -78,18 +83,21 @@ pub fn judge_validity(
             Level::Fail,
             format!(
                 "not valid for another {} (check the clocks)",
-                short_duration(not_before - now)
+                short_duration(not_before.saturating_sub(now))
             ),
         );
     }
     if now >= not_after {
         return (
             Level::Fail,
-            format!("expired {} ago", short_duration(now - not_after)),
+            format!(
+                "expired {} ago",
+                short_duration(now.saturating_sub(not_after))
+            ),
         );
     }
-    let left = not_after - now;
-    let level = if left < warn_days * 86_400 {
+    let left = not_after.saturating_sub(now);
+    let level = if left < warn_days.saturating_mul(86_400) {
         Level::Warning
     } else {
         Level::Ok
@@ -136,6 +144,31 @@ mod tests {
         assert!(jwt_times(&no_exp).unwrap_err().contains("exp"));
     }
 
+    /// The JWT fuzzer's seeds read as their names say.
+    #[test]
+    fn jwt_fuzz_seeds_read_as_named() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/jwt");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(dir).expect("seed folder") {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let got = jwt_times(std::fs::read_to_string(&path).unwrap().trim_end());
+            match name.as_str() {
+                "link_token.txt" => assert_eq!(got, Ok((Some(1764979200), 1765065600))),
+                "no_iat.txt" => assert_eq!(got, Ok((None, 1765065600))),
+                "user_sub.txt" => assert_eq!(got, Ok((Some(1), 2))),
+                "padded_payload.txt" => assert_eq!(got, Ok((Some(5), 10))),
+                "no_exp.txt" => assert!(got.unwrap_err().contains("`exp`")),
+                "not_base64.txt" => assert!(got.unwrap_err().contains("base64")),
+                "two_parts.txt" => assert!(got.unwrap_err().contains("not a JWT")),
+                "extreme_claims.txt" => assert_eq!(got, Ok((Some(i64::MIN), i64::MAX))),
+                other => panic!("seed {other} is not in this table"),
+            }
+            seen += 1;
+        }
+        assert!(seen >= 8);
+    }
+
     #[test]
     fn token_expiry_is_judged_against_its_lifetime() {
         let day = 86_400;
@@ -154,6 +187,32 @@ mod tests {
         // Unknown issue time: under an hour warns.
         assert_eq!(judge_token(0, None, 1800).0, Level::Warning);
         assert_eq!(judge_token(0, None, 7200).0, Level::Ok);
+    }
+
+    /// Found by the `jwt` fuzz target: claims at the ends of i64 overflowed.
+    #[test]
+    fn extreme_claims_and_clocks_do_not_overflow() {
+        let (l, m) = judge_token(0, Some(i64::MIN), i64::MAX);
+        assert_eq!(
+            (l, m.as_str()),
+            (
+                Level::Ok,
+                "the link token expires in 106751991167300d15h of 106751991167300d15h"
+            )
+        );
+        assert_eq!(judge_token(1_000, None, i64::MIN).0, Level::Fail);
+        assert_eq!(judge_token(i64::MIN, Some(0), 10).0, Level::Ok);
+        assert_eq!(judge_token(i64::MAX, None, i64::MIN).0, Level::Fail);
+        assert_eq!(judge_validity(i64::MIN, i64::MAX, 0, 30).0, Level::Fail);
+        assert_eq!(
+            judge_validity(i64::MAX, i64::MIN, i64::MIN, 30).0,
+            Level::Fail
+        );
+        assert_eq!(judge_validity(0, 0, 100, i64::MAX).0, Level::Warning);
+        assert_eq!(
+            judge_validity(i64::MIN, i64::MIN, i64::MAX, 30).0,
+            Level::Ok
+        );
     }
 
     #[test]

@@ -38,6 +38,51 @@ pub struct EnrollResponse {
     pub error: Option<String>,
 }
 
+/// Reads one request line as the socket delivers it (newline included):
+/// bounded, one JSON request, pod names that are Kubernetes names. Pure; what
+/// the proxy does with a peer's bytes before acting on them, so it is fuzzed
+/// (`fuzz/fuzz_targets/enroll.rs`).
+pub fn parse_request(line: &str) -> Result<EnrollRequest, EnrollError> {
+    if line.len() > MAX_REQUEST || !line.ends_with('\n') {
+        return Err(EnrollError::TooLong);
+    }
+    let request: EnrollRequest = serde_json::from_str(line).map_err(EnrollError::NotARequest)?;
+    request.check_names()?;
+    Ok(request)
+}
+
+impl EnrollRequest {
+    /// Both operations name the pod's state file (`<namespace>_<name>.json`):
+    /// an unchecked `remove` of `../../x` would delete a file outside it.
+    pub(super) fn check_names(&self) -> Result<(), EnrollError> {
+        match self {
+            EnrollRequest::Add {
+                namespace, name, ..
+            }
+            | EnrollRequest::Remove { namespace, name } => check_names(namespace, name),
+        }
+    }
+}
+
+/// Pod namespace and name are Kubernetes names (they also name the state file).
+fn check_names(namespace: &str, name: &str) -> Result<(), EnrollError> {
+    let valid = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            && !s.starts_with('.')
+    };
+    if valid(namespace) && valid(name) {
+        Ok(())
+    } else {
+        Err(EnrollError::InvalidName {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        })
+    }
+}
+
 /// Why the proxy refused an enrollment request; its text is the answer's
 /// `error`.
 #[derive(Debug, thiserror::Error)]
@@ -141,5 +186,30 @@ mod tests {
             serde_json::from_str(r#"{"op":"remove","namespace":"shop","name":"web-0"}"#).unwrap();
         assert!(matches!(remove, EnrollRequest::Remove { .. }));
         assert!(serde_json::from_str::<EnrollRequest>(r#"{"op":"add","name":"x"}"#).is_err());
+    }
+
+    /// Found by the `enroll` fuzz target: `remove` took any names, and they
+    /// name the state file it deletes.
+    #[test]
+    fn remove_names_are_checked_like_add_names() {
+        for line in [
+            "{\"op\":\"remove\",\"namespace\":\"../../etc\",\"name\":\"passwd\"}\n",
+            "{\"op\":\"remove\",\"namespace\":\"/tmp/x\",\"name\":\"y\"}\n",
+            "{\"op\":\"remove\",\"namespace\":\"}hop\",\"name\":\"web-0\"}\n",
+        ] {
+            let got = parse_request(line);
+            assert!(
+                matches!(got, Err(EnrollError::InvalidName { .. })),
+                "{line}: {got:?}"
+            );
+        }
+        assert_eq!(
+            parse_request("{\"op\":\"remove\",\"namespace\":\"shop\",\"name\":\"web-0\"}\n")
+                .unwrap(),
+            EnrollRequest::Remove {
+                namespace: "shop".into(),
+                name: "web-0".into()
+            }
+        );
     }
 }

@@ -59,7 +59,9 @@ use tokio::net::{UnixListener, UnixStream};
 pub use capture::{CHAIN, DNS_PORT, OUTBOUND_PORT, in_netns, install_rules, remove_rules};
 use capture::{capture, is_netns, release};
 use enroll::MAX_REQUEST;
-pub use enroll::{EnrollClientError, EnrollError, EnrollRequest, EnrollResponse, enroll};
+pub use enroll::{
+    EnrollClientError, EnrollError, EnrollRequest, EnrollResponse, enroll, parse_request,
+};
 
 use crate::dns::DnsResponder;
 use crate::drain::{Drain, serve_connections};
@@ -155,13 +157,9 @@ impl Transparent {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
-            let answer = if !line.ends_with('\n') {
-                Err(EnrollError::TooLong)
-            } else {
-                match serde_json::from_str::<EnrollRequest>(&line) {
-                    Ok(request) => self.apply(request).await,
-                    Err(e) => Err(EnrollError::NotARequest(e)),
-                }
+            let answer = match parse_request(&line) {
+                Ok(request) => self.apply(request).await,
+                Err(e) => Err(e),
             };
             let response = match answer {
                 Ok(captured) => EnrollResponse {
@@ -188,6 +186,8 @@ impl Transparent {
 
     /// Applies one request; for `add`, whether the pod is captured.
     pub async fn apply(&self, request: EnrollRequest) -> Result<bool, EnrollError> {
+        // Requests from the socket were checked; restored state files come here directly.
+        request.check_names()?;
         let _one = self.changes.lock().await;
         match request {
             EnrollRequest::Add {
@@ -207,17 +207,6 @@ impl Transparent {
         name: String,
         netns: PathBuf,
     ) -> Result<bool, EnrollError> {
-        // Kubernetes names (they also name the state file).
-        let valid = |s: &str| {
-            !s.is_empty()
-                && s.len() <= 253
-                && s.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-                && !s.starts_with('.')
-        };
-        if !valid(&namespace) || !valid(&name) {
-            return Err(EnrollError::InvalidName { namespace, name });
-        }
         // The plugin runs when the pod's sandbox is made, moments after the
         // pod was scheduled here: give discovery a little time to see it.
         let deadline = tokio::time::Instant::now() + POD_WAIT;
