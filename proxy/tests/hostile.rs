@@ -372,9 +372,15 @@ async fn hostile_peers_are_closed_at_their_timeouts_in_bounded_memory_while_traf
         },
     )
     .await;
+    let text = strait_testenv::http_get(SocketAddr::new(gw_ip, 4191), "/metrics")
+        .await
+        .unwrap();
     eprintln!(
-        "MEASURED the gateway held only its callers' connections again {:?} after the hostile peers arrived",
-        opened.elapsed()
+        "MEASURED the gateway held only its callers' connections again {:?} after the hostile peers arrived \
+         ({} QUIC handshakes completed, {} asked to Retry)",
+        opened.elapsed(),
+        metric_sum(&text, "gateway_connections_total", &["transport=\"quic\""]),
+        metric_sum(&text, "gateway_quic_retries_total", &[]),
     );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let peaks = tokio::task::block_in_place(|| sampler.join().unwrap());
