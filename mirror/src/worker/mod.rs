@@ -15,14 +15,16 @@ mod write;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::{Client, ResourceExt};
 use strait_mesh::link::{Link, LinkSpec, selector_query};
+use strait_mesh::mcs::ServiceExport;
+use tokio::sync::Notify;
 use tokio::sync::watch as signal;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -32,6 +34,7 @@ pub use write::{FIELD_MANAGER, delete_mirror};
 
 use crate::config::{LocalServices, MirrorConfig};
 use crate::probe::GatewayEndpoint;
+use crate::remote_slices::ExportedSlices;
 use crate::status::{LinkHealth, StatusReporter};
 use diff::{Applied, Key};
 use watch::{GatewayWatch, RemoteWatch};
@@ -106,7 +109,7 @@ async fn mirror_link(
         status.set_health(LinkHealth::remote_ok()).await;
         let _ = here.services.wait_until_ready().await;
         let (services, _) = reflector::store::<Service>();
-        let (slices, _) = reflector::store::<EndpointSlice>();
+        let slices = ExportedSlices::default();
         let nothing = Remote {
             services: &services,
             slices: &slices,
@@ -114,16 +117,26 @@ async fn mirror_link(
         };
         sync(here, spec, nothing, &mut applied, status, Pass::full()).await;
         // Still a member of the clusterset (its exports are not selected by label).
+        let exports = watch_exports(&remote, link, config, Arc::new(Notify::new()));
         let _clusterset =
-            join_clusterset(&remote, link, status, config, None, gateways.clone()).await;
+            join_clusterset(link, status, config, exports, None, gateways.clone()).await;
         return futures::future::pending().await;
     };
-    let remote_watch = RemoteWatch::start(&remote, &selector);
-    let _clusterset = join_clusterset(
+    // Only the exported Services' slices are cached: those the selector picks
+    // and those the remote's ServiceExports name.
+    let exports_changed = Arc::new(Notify::new());
+    let exports = watch_exports(&remote, link, config, exports_changed.clone());
+    let remote_watch = RemoteWatch::start(
         &remote,
+        &selector,
+        exports.as_ref().map(|(store, _)| store.clone()),
+        exports_changed,
+    );
+    let _clusterset = join_clusterset(
         link,
         status,
         config,
+        exports,
         Some(remote_watch.slices.clone()),
         gateways.clone(),
     )
@@ -213,20 +226,37 @@ async fn mirror_link(
     }
 }
 
-/// Joins the clusterset feed with the remote's ServiceExports (watched here
-/// for as long as the result is held), its slices and the Link's gateway; a
+/// Starts watching the remote's ServiceExports when this controller is in a
+/// clusterset (waking `changed` on every change).
+fn watch_exports(
+    remote: &Client,
+    link: &Link,
+    config: &MirrorConfig,
+    changed: Arc<Notify>,
+) -> Option<(Store<ServiceExport>, tokio::task::JoinHandle<()>)> {
+    let (_, feed) = config.clusterset.as_ref()?;
+    Some(crate::mcs::watch_remote_exports(
+        remote,
+        feed,
+        &link.spec.target_cluster_name,
+        changed,
+    ))
+}
+
+/// Joins the clusterset feed with the remote's ServiceExports (watched for
+/// as long as the result is held), its slices and the Link's gateway; a
 /// refusal (a name already linked, or this cluster's) goes to the Link's status.
 async fn join_clusterset(
-    remote: &Client,
     link: &Link,
     status: &StatusReporter,
     config: &MirrorConfig,
-    slices: Option<Store<EndpointSlice>>,
+    exports: Option<(Store<ServiceExport>, tokio::task::JoinHandle<()>)>,
+    slices: Option<ExportedSlices>,
     gateways: GatewayWatch,
 ) -> Option<(crate::mcs::Membership, AbortOnDrop)> {
     let (local_name, feed) = config.clusterset.as_ref()?;
     let spec = &link.spec;
-    let (exports, task) = crate::mcs::watch_remote_exports(remote, feed, &spec.target_cluster_name);
+    let (exports, task) = exports?;
     let key = format!(
         "{}/{}",
         link.namespace().unwrap_or_default(),
@@ -270,7 +300,7 @@ impl Drop for AbortOnDrop {
 #[derive(Clone, Copy)]
 struct Remote<'a> {
     services: &'a Store<Service>,
-    slices: &'a Store<EndpointSlice>,
+    slices: &'a ExportedSlices,
     gateways: &'a [GatewayEndpoint],
 }
 
@@ -310,7 +340,7 @@ async fn sync(
 ) {
     let started = std::time::Instant::now();
     let cluster = &spec.target_cluster_name;
-    let slices = diff::slices_by_service(remote.slices);
+    let slices = remote.slices.by_service();
     let cache: &Applied = applied;
     let outcomes: Vec<(Key, Vec<Key>, _, write::Writes)> =
         futures::stream::iter(remote.services.state().into_iter().map(|service| {
