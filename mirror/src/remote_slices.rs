@@ -88,6 +88,16 @@ impl ExportedSlices {
             .collect()
     }
 
+    /// Whether the slices held for Service `ns/name` are all it has: false
+    /// while it is not yet followed as exported, or was just exported and its
+    /// slices are being listed (a mirror written now would be written again
+    /// when they come).
+    pub fn known(&self, ns: &str, name: &str) -> bool {
+        let inner = self.inner.read().expect("slices lock");
+        let key = (ns.to_string(), name.to_string());
+        inner.exported.contains(&key) && !inner.listing.contains(&key)
+    }
+
     /// How many slices are held.
     pub fn len(&self) -> usize {
         self.inner.read().expect("slices lock").service_of.len()
@@ -245,6 +255,9 @@ struct Slices {
     by_service: HashMap<Key, BTreeMap<String, Arc<EndpointSlice>>>,
     /// Slice key → its Service (a slice may move, or be deleted by name).
     service_of: HashMap<Key, Key>,
+    /// The exported Services followed, and those whose slices are being listed.
+    exported: HashSet<Key>,
+    listing: HashSet<Key>,
 }
 
 impl Slices {
@@ -321,8 +334,14 @@ impl Cache {
             }
         }
         let added: Vec<Key> = now.difference(&self.exported).cloned().collect();
-        for service in &added {
-            self.pending.entry(service.clone()).or_default().0 += 1;
+        {
+            let mut shared = self.shared.write().expect("slices lock");
+            for service in &added {
+                self.pending.entry(service.clone()).or_default().0 += 1;
+                shared.listing.insert(service.clone());
+            }
+            shared.listing.retain(|s| now.contains(s));
+            shared.exported = now.clone();
         }
         self.exported = now;
         (added, dropped)
@@ -374,12 +393,18 @@ impl Cache {
     }
 
     /// A label-selected list of `service`'s slices answered at version
-    /// `at`; true when the slices held changed.
+    /// `at`; true when the slices held changed, or the Service's are known
+    /// now (even none: its mirror can be written).
     fn on_listed(&mut self, service: &Key, at: u64, items: Vec<EndpointSlice>) -> bool {
         let deleted = match self.pending.get_mut(service) {
             Some((n, deleted)) => {
                 *n -= 1;
                 if *n == 0 {
+                    self.shared
+                        .write()
+                        .expect("slices lock")
+                        .listing
+                        .remove(service);
                     self.pending
                         .remove(service)
                         .map(|p| p.1)
@@ -394,7 +419,7 @@ impl Cache {
             return false;
         }
         let listed: HashSet<String> = items.iter().map(|s| s.name_any()).collect();
-        let mut changed = false;
+        let mut changed = !self.pending.contains_key(service);
         for slice in items {
             changed |= self.apply(slice, Some(&deleted));
         }
@@ -459,6 +484,12 @@ impl Follower {
         for service in added {
             self.cache.pending.remove(&service);
         }
+        self.cache
+            .shared
+            .write()
+            .expect("slices lock")
+            .listing
+            .clear();
         let mut events = watcher(
             self.api.clone(),
             watcher::Config::default().labels(SERVICE_NAME_LABEL),
@@ -582,6 +613,7 @@ mod tests {
         for s in added {
             c.pending.remove(&s);
         }
+        c.shared.write().unwrap().listing.clear();
         c
     }
 
@@ -611,7 +643,15 @@ mod tests {
         assert!(held(&c).is_empty());
         let (added, _) = c.set_exported(exported(&["web", "api"]));
         assert_eq!(added, vec![key("api")]);
+        assert!(c.shared.read().unwrap().listing.contains(&key("api")));
+        let reader = ExportedSlices {
+            inner: c.shared.clone(),
+            ready: watch::channel(true).1,
+        };
+        assert!(!reader.known("ns", "api") && reader.known("ns", "web"));
+        assert!(!reader.known("ns", "other"), "not followed");
         assert!(c.on_listed(&key("api"), 10, vec![slice("api", "api-1", 3, true)]));
+        assert!(reader.known("ns", "api"), "listed: known now");
         assert_eq!(held(&c), vec![("api".into(), "api-1@3".into())]);
         assert!(c.pending.is_empty());
         let (added, dropped) = c.set_exported(exported(&["web"]));

@@ -831,7 +831,9 @@ impl Controller {
             let desired = if headless {
                 let theirs = if *cluster == self.cluster {
                     slices_of(&self.local.slices, name)
-                } else if let Some((_, Some(store))) = snap.remotes.get(cluster) {
+                } else if let Some((_, Some(store))) = snap.remotes.get(cluster)
+                    && store.known(ns, name)
+                {
                     remote_slices_of(store, name)
                 } else {
                     continue; // not known yet: what was written stays
@@ -843,6 +845,9 @@ impl Controller {
                 let own: Vec<&EndpointSlice> = own.iter().map(|s| s.as_ref()).collect();
                 slices::local_slice(ns, name, &derived, cluster, &own)
             } else if let Some((view, remote_slices)) = snap.remotes.get(cluster) {
+                if remote_slices.as_ref().is_some_and(|s| !s.known(ns, name)) {
+                    continue; // its slices are being listed: written once they are
+                }
                 let ready = remote_slices.as_ref().map(|store| {
                     let theirs = remote_slices_of(store, name);
                     slices::ready_count(&theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>())

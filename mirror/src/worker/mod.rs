@@ -348,11 +348,16 @@ async fn sync(
             let service_slices = slices.get(&key).map_or(&[][..], Vec::as_slice);
             let desired =
                 diff::desired(&service, service_slices, spec, remote.gateways, pass.stale);
+            // Just exported, its slices not listed yet: written once they are.
+            let listing = !remote.slices.known(&key.0, &key.1);
             async move {
                 let Some(desired) = desired else {
                     return (key, Vec::new(), Ok(()), write::Writes::default());
                 };
                 let wanted = desired.wanted();
+                if listing {
+                    return (key, wanted, Ok(()), write::Writes::default());
+                }
                 let (result, writes) = write::write_desired(local, spec, desired, cache).await;
                 (key, wanted, result, writes)
             }
