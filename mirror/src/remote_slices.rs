@@ -78,24 +78,38 @@ impl ExportedSlices {
             .unwrap_or_default()
     }
 
-    /// Every exported Service's slices.
-    pub fn by_service(&self) -> BTreeMap<Key, Vec<Arc<EndpointSlice>>> {
+    /// Every exported Service's slices, and which Services' are known, as
+    /// of one moment.
+    pub fn snapshot(&self) -> SlicesSnapshot {
         let inner = self.inner.read().expect("slices lock");
-        inner
-            .by_service
-            .iter()
-            .map(|(k, s)| (k.clone(), s.values().cloned().collect()))
-            .collect()
+        SlicesSnapshot {
+            by_service: inner
+                .by_service
+                .iter()
+                .map(|(k, s)| (k.clone(), s.values().cloned().collect()))
+                .collect(),
+            exported: inner.exported.clone(),
+            listing: inner.listing.clone(),
+        }
     }
 
-    /// Whether the slices held for Service `ns/name` are all it has: false
-    /// while it is not yet followed as exported, or was just exported and its
-    /// slices are being listed (a mirror written now would be written again
-    /// when they come).
-    pub fn known(&self, ns: &str, name: &str) -> bool {
+    /// The slices of Service `ns/name` when they are known: `None` while it
+    /// is not yet followed as exported, or was just exported and its slices
+    /// are being listed (a mirror written now would be written again when
+    /// they come).
+    pub fn known_slices(&self, ns: &str, name: &str) -> Option<Vec<Arc<EndpointSlice>>> {
         let inner = self.inner.read().expect("slices lock");
         let key = (ns.to_string(), name.to_string());
-        inner.exported.contains(&key) && !inner.listing.contains(&key)
+        if !inner.exported.contains(&key) || inner.listing.contains(&key) {
+            return None;
+        }
+        Some(
+            inner
+                .by_service
+                .get(&key)
+                .map(|s| s.values().cloned().collect())
+                .unwrap_or_default(),
+        )
     }
 
     /// How many slices are held.
@@ -143,6 +157,23 @@ impl ExportedSlices {
         let mut tasks = JoinSet::new();
         tasks.spawn(follower.run(exported_changed));
         (slices, tasks)
+    }
+}
+
+/// [`ExportedSlices`] at one moment.
+pub struct SlicesSnapshot {
+    by_service: BTreeMap<Key, Vec<Arc<EndpointSlice>>>,
+    exported: HashSet<Key>,
+    listing: HashSet<Key>,
+}
+
+impl SlicesSnapshot {
+    /// The Service's slices when they are known (see [`ExportedSlices::known_slices`]).
+    pub fn of(&self, service: &Key) -> Option<&[Arc<EndpointSlice>]> {
+        if !self.exported.contains(service) || self.listing.contains(service) {
+            return None;
+        }
+        Some(self.by_service.get(service).map_or(&[][..], Vec::as_slice))
     }
 }
 
@@ -648,10 +679,15 @@ mod tests {
             inner: c.shared.clone(),
             ready: watch::channel(true).1,
         };
-        assert!(!reader.known("ns", "api") && reader.known("ns", "web"));
-        assert!(!reader.known("ns", "other"), "not followed");
+        assert!(reader.known_slices("ns", "api").is_none());
+        assert_eq!(reader.known_slices("ns", "web").map(|s| s.len()), Some(0));
+        assert!(reader.known_slices("ns", "other").is_none(), "not followed");
         assert!(c.on_listed(&key("api"), 10, vec![slice("api", "api-1", 3, true)]));
-        assert!(reader.known("ns", "api"), "listed: known now");
+        assert_eq!(
+            reader.snapshot().of(&key("api")).map(|s| s.len()),
+            Some(1),
+            "listed: known now"
+        );
         assert_eq!(held(&c), vec![("api".into(), "api-1@3".into())]);
         assert!(c.pending.is_empty());
         let (added, dropped) = c.set_exported(exported(&["web"]));

@@ -822,19 +822,20 @@ impl Controller {
                 })
                 .collect()
         };
-        let remote_slices_of = |store: &ExportedSlices, svc: &str| -> Vec<Arc<EndpointSlice>> {
-            let mut theirs = store.of_service(ns, svc);
-            theirs.retain(not_ours);
-            theirs
-        };
+        let remote_slices_of =
+            |store: &ExportedSlices, svc: &str| -> Option<Vec<Arc<EndpointSlice>>> {
+                let mut theirs = store.known_slices(ns, svc)?;
+                theirs.retain(not_ours);
+                Some(theirs)
+            };
         for cluster in &r.clusters {
             let desired = if headless {
                 let theirs = if *cluster == self.cluster {
                     slices_of(&self.local.slices, name)
                 } else if let Some((_, Some(store))) = snap.remotes.get(cluster)
-                    && store.known(ns, name)
+                    && let Some(theirs) = remote_slices_of(store, name)
                 {
-                    remote_slices_of(store, name)
+                    theirs
                 } else {
                     continue; // not known yet: what was written stays
                 };
@@ -845,13 +846,16 @@ impl Controller {
                 let own: Vec<&EndpointSlice> = own.iter().map(|s| s.as_ref()).collect();
                 slices::local_slice(ns, name, &derived, cluster, &own)
             } else if let Some((view, remote_slices)) = snap.remotes.get(cluster) {
-                if remote_slices.as_ref().is_some_and(|s| !s.known(ns, name)) {
-                    continue; // its slices are being listed: written once they are
-                }
-                let ready = remote_slices.as_ref().map(|store| {
-                    let theirs = remote_slices_of(store, name);
-                    slices::ready_count(&theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
-                });
+                let ready = match remote_slices
+                    .as_ref()
+                    .map(|store| remote_slices_of(store, name))
+                {
+                    Some(None) => continue, // its slices are being listed: written once they are
+                    Some(Some(theirs)) => Some(slices::ready_count(
+                        &theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>(),
+                    )),
+                    None => None,
+                };
                 slices::remote_slice(ns, name, &derived, view, &r.service.ports, ready)
             } else {
                 continue;

@@ -340,16 +340,17 @@ async fn sync(
 ) {
     let started = std::time::Instant::now();
     let cluster = &spec.target_cluster_name;
-    let slices = remote.slices.by_service();
+    let slices = remote.slices.snapshot();
     let cache: &Applied = applied;
     let outcomes: Vec<(Key, Vec<Key>, _, write::Writes)> =
         futures::stream::iter(remote.services.state().into_iter().map(|service| {
             let key = diff::key_of(service.as_ref());
-            let service_slices = slices.get(&key).map_or(&[][..], Vec::as_slice);
+            // None: just exported, its slices not listed yet; written once they are.
+            let known = slices.of(&key);
+            let listing = known.is_none();
+            let service_slices = known.unwrap_or_default();
             let desired =
                 diff::desired(&service, service_slices, spec, remote.gateways, pass.stale);
-            // Just exported, its slices not listed yet: written once they are.
-            let listing = !remote.slices.known(&key.0, &key.1);
             async move {
                 let Some(desired) = desired else {
                     return (key, Vec::new(), Ok(()), write::Writes::default());
