@@ -30,6 +30,7 @@ use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
@@ -130,6 +131,8 @@ struct East {
     expect: Mutex<Expectations>,
     service_changes: AtomicU64,
     slice_changes: AtomicU64,
+    /// Each mirror slice's readiness as written, in order (rewrites show here).
+    slice_history: Mutex<HashMap<String, Vec<bool>>>,
 }
 
 fn all_ready(slice: &EndpointSlice) -> Option<bool> {
@@ -151,7 +154,9 @@ fn watch_east(client: &Client, east: Arc<East>) {
     let services: Api<Service> = Api::namespaced(client.clone(), NS);
     let e = east.clone();
     tokio::spawn(async move {
-        let mut events = watcher::watcher(slices, watcher::Config::default()).boxed();
+        let mut events = watcher::watcher(slices, watcher::Config::default())
+            .default_backoff()
+            .boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
             let (slice, counted) = match event {
@@ -171,6 +176,14 @@ fn watch_east(client: &Client, east: Arc<East>) {
             let Some(ready) = all_ready(&slice) else {
                 continue;
             };
+            if counted {
+                e.slice_history
+                    .lock()
+                    .unwrap()
+                    .entry(name.clone())
+                    .or_default()
+                    .push(ready);
+            }
             e.slices_ready.lock().unwrap().insert(name.clone(), ready);
             let mut expect = e.expect.lock().unwrap();
             if let Some((since, want)) = expect.ready.get(&name).cloned()
@@ -182,7 +195,9 @@ fn watch_east(client: &Client, east: Arc<East>) {
         }
     });
     tokio::spawn(async move {
-        let mut events = watcher::watcher(services, watcher::Config::default()).boxed();
+        let mut events = watcher::watcher(services, watcher::Config::default())
+            .default_backoff()
+            .boxed();
         while let Some(event) = events.next().await {
             let now = Instant::now();
             let (svc, counted) = match event {
@@ -546,6 +561,7 @@ async fn main() {
         .buffer_unordered(16)
         .collect::<Vec<_>>()
     };
+    seen.slice_history.lock().unwrap().clear();
     let burst_started = Instant::now();
     flip(true).await;
     until(
@@ -559,6 +575,14 @@ async fn main() {
     )
     .await;
     let all_mirrored = burst_started.elapsed();
+    let rewritten: Vec<(String, Vec<bool>)> = seen
+        .slice_history
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, h)| h.len() > 1)
+        .map(|(k, h)| (k.clone(), h.clone()))
+        .collect();
     let rss_burst = controller.lock().unwrap().rss_kib();
     let unexport_started = Instant::now();
     flip(false).await;
@@ -631,6 +655,14 @@ async fn main() {
         all_removed.as_secs_f64(),
         burst_mirror as f64 / (2 * n) as f64,
     );
+    println!(
+        "  new mirror slices written more than once while exporting: {}{}",
+        rewritten.len(),
+        rewritten
+            .first()
+            .map(|(k, h)| format!(" (e.g. {k}: ready {h:?})"))
+            .unwrap_or_default()
+    );
     println!("  all east write requests: {burst_writes:?}");
     if let Some(path) = json_out {
         let report = json!({
@@ -645,6 +677,7 @@ async fn main() {
                       "relabel_delay_ms": {"n": relabel.len(), "p50": percentile(&relabel, 0.5), "p99": percentile(&relabel, 0.99)}},
             "burst": {"flips": 2 * n, "mirrored_s": all_mirrored.as_secs_f64(), "removed_s": all_removed.as_secs_f64(),
                       "mirror_write_requests": burst_mirror, "write_requests": burst_writes,
+                      "slices_rewritten_on_export": rewritten.len(),
                       "slice_changes": burst_slice_changes, "service_changes": burst_service_changes},
         });
         std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
