@@ -18,7 +18,8 @@
 //! (requests from `apiserver_request_total`, and object changes seen by a
 //! watch) per remote change, and the delay from a remote change to east's
 //! mirror showing it (p50/p99, seen by a watch). STRAIT_CHURN_MIRROR_BIN runs
-//! another `strait-mirror` build instead (A/B).
+//! another `strait-mirror` build instead (A/B); STRAIT_CHURN_NOISE sets how
+//! many unexported Services there are (default: as many as exported).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -383,6 +384,12 @@ async fn main() {
         .and_then(|i| args.get(i + 1).cloned());
     let n: usize = env_or("STRAIT_CHURN_SERVICES", 500);
     let secs: u64 = env_or("STRAIT_CHURN_SECS", 600);
+    // Unexported Services (noise); the burst flips the first n of them.
+    let noise: usize = env_or("STRAIT_CHURN_NOISE", n);
+    assert!(
+        noise >= n,
+        "STRAIT_CHURN_NOISE ({noise}) must be at least STRAIT_CHURN_SERVICES ({n}): the burst flips n of them"
+    );
 
     let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
     let (east, west) = (east.unwrap(), west.unwrap());
@@ -399,11 +406,11 @@ async fn main() {
     ensure_namespace(&ec, NS).await.unwrap();
     ensure_namespace(&wc, NS).await.unwrap();
 
-    // West: n exported Services and n unexported ones, each with its slice.
+    // West: n exported Services and `noise` unexported ones, each with its slice.
     let west_services: Api<Service> = Api::namespaced(wc.clone(), NS);
     let west_slices: Api<EndpointSlice> = Api::namespaced(wc.clone(), NS);
     let started = Instant::now();
-    futures::stream::iter((0..2 * n).map(|i| {
+    futures::stream::iter((0..n + noise).map(|i| {
         let (services, slices) = (west_services.clone(), west_slices.clone());
         async move {
             let (name, exported) = if i < n {
@@ -424,7 +431,7 @@ async fn main() {
     .collect::<Vec<_>>()
     .await;
     eprintln!(
-        "west: {n} exported and {n} unexported Services with {ENDPOINTS} endpoints each, in {:.0} s",
+        "west: {n} exported and {noise} unexported Services with {ENDPOINTS} endpoints each, in {:.0} s",
         started.elapsed().as_secs_f64()
     );
 
@@ -614,7 +621,7 @@ async fn main() {
     let remote_changes = visible + invisible + relabels;
     let mib = |k: u64| k as f64 / 1024.0;
     println!(
-        "== churn: {n} exported Services × {ENDPOINTS} endpoints (+{n} unexported), {secs} s, then {} export-label flips",
+        "== churn: {n} exported Services × {ENDPOINTS} endpoints (+{noise} unexported), {secs} s, then {} export-label flips",
         2 * n
     );
     println!("controller restarts: {restarts} (goal 0)");
@@ -666,7 +673,7 @@ async fn main() {
     println!("  all east write requests: {burst_writes:?}");
     if let Some(path) = json_out {
         let report = json!({
-            "services": n, "endpoints_per_service": ENDPOINTS, "unexported_services": n, "churn_secs": secs,
+            "services": n, "endpoints_per_service": ENDPOINTS, "unexported_services": noise, "churn_secs": secs,
             "restarts": restarts,
             "rss_mib": {"after_sync": mib(rss_synced), "after_churn": mib(rss_after_churn), "burst": mib(rss_burst),
                         "end": mib(end), "peak_sampled": mib(peak), "hwm": mib(hwm)},
