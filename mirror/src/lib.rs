@@ -17,6 +17,7 @@ pub mod mcs;
 pub mod metrics;
 pub mod mirror;
 pub mod probe;
+pub mod remote_slices;
 pub mod resolve;
 pub mod status;
 pub mod token;

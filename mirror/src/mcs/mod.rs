@@ -46,6 +46,7 @@ const MARK_FIELD_MANAGER: &str = "strait-mirror-clusterset";
 use tokio::sync::{Notify, watch};
 
 use crate::probe::GatewayEndpoint;
+use crate::remote_slices::ExportedSlices;
 
 use resolve::{EXPORTED_SERVICE_ANNOTATION, Export, ExportedService, Resolved, Validity};
 
@@ -89,8 +90,9 @@ struct Member {
 pub struct RemoteCluster {
     /// The remote's ServiceExports.
     pub exports: Store<ServiceExport>,
-    /// The remote's EndpointSlices of Services (for ready counts), when watched.
-    pub slices: Option<Store<EndpointSlice>>,
+    /// The remote's slices of its exported Services (for ready counts and
+    /// headless endpoints), when watched.
+    pub slices: Option<ExportedSlices>,
     /// The Link's gateway addresses and their liveness.
     pub gateways: watch::Receiver<Option<Vec<GatewayEndpoint>>>,
     pub gateway_port: u16,
@@ -233,7 +235,7 @@ impl ClustersetFeed {
 #[derive(Default)]
 struct Snapshot {
     exports: Vec<(String, Arc<ServiceExport>)>,
-    remotes: BTreeMap<String, (slices::RemoteView, Option<Store<EndpointSlice>>)>,
+    remotes: BTreeMap<String, (slices::RemoteView, Option<ExportedSlices>)>,
     all_listed: bool,
 }
 
@@ -244,12 +246,13 @@ where
     futures::FutureExt::now_or_never(store.wait_until_ready()).is_some_and(|r| r.is_ok())
 }
 
-/// Watches a remote's ServiceExports into a store, waking `feed` on changes,
-/// until the returned task is aborted.
+/// Watches a remote's ServiceExports into a store, waking `feed` and
+/// `changed` on changes, until the returned task is aborted.
 pub fn watch_remote_exports(
     remote: &Client,
     feed: &ClustersetFeed,
     cluster: &str,
+    changed: Arc<Notify>,
 ) -> (Store<ServiceExport>, tokio::task::JoinHandle<()>) {
     let (store, writer) = reflector::store::<ServiceExport>();
     let stream = watcher(
@@ -267,6 +270,7 @@ pub fn watch_remote_exports(
                 Ok(_) => {
                     last_error = None;
                     feed.notify();
+                    changed.notify_one();
                 }
                 Err(e) => {
                     let e = e.to_string();
@@ -807,6 +811,12 @@ impl Controller {
         let Some(owner) = owner else {
             return Ok(()); // the import or derived Service is new: the next pass writes them
         };
+        let not_ours = |s: &Arc<EndpointSlice>| {
+            s.labels()
+                .get(crate::mirror::MANAGED_BY_LABEL)
+                .map(String::as_str)
+                != Some(slices::MANAGED_BY)
+        };
         let slices_of = |store: &Store<EndpointSlice>, svc: &str| -> Vec<Arc<EndpointSlice>> {
             store
                 .state()
@@ -817,19 +827,24 @@ impl Controller {
                             .get(crate::mirror::SERVICE_NAME_LABEL)
                             .map(String::as_str)
                             == Some(svc)
-                        && s.labels()
-                            .get(crate::mirror::MANAGED_BY_LABEL)
-                            .map(String::as_str)
-                            != Some(slices::MANAGED_BY)
+                        && not_ours(s)
                 })
                 .collect()
         };
+        let remote_slices_of =
+            |store: &ExportedSlices, svc: &str| -> Option<Vec<Arc<EndpointSlice>>> {
+                let mut theirs = store.known_slices(ns, svc)?;
+                theirs.retain(not_ours);
+                Some(theirs)
+            };
         for cluster in &r.clusters {
             let desired = if headless {
                 let theirs = if *cluster == self.cluster {
                     slices_of(&self.local.slices, name)
-                } else if let Some((_, Some(store))) = snap.remotes.get(cluster) {
-                    slices_of(store, name)
+                } else if let Some((_, Some(store))) = snap.remotes.get(cluster)
+                    && let Some(theirs) = remote_slices_of(store, name)
+                {
+                    theirs
                 } else {
                     continue; // not known yet: what was written stays
                 };
@@ -840,10 +855,16 @@ impl Controller {
                 let own: Vec<&EndpointSlice> = own.iter().map(|s| s.as_ref()).collect();
                 slices::local_slice(ns, name, &derived, cluster, &own)
             } else if let Some((view, remote_slices)) = snap.remotes.get(cluster) {
-                let ready = remote_slices.as_ref().map(|store| {
-                    let theirs = slices_of(store, name);
-                    slices::ready_count(&theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
-                });
+                let ready = match remote_slices
+                    .as_ref()
+                    .map(|store| remote_slices_of(store, name))
+                {
+                    Some(None) => continue, // its slices are being listed: written once they are
+                    Some(Some(theirs)) => Some(slices::ready_count(
+                        &theirs.iter().map(|s| s.as_ref()).collect::<Vec<_>>(),
+                    )),
+                    None => None,
+                };
                 slices::remote_slice(ns, name, &derived, view, &r.service.ports, ready)
             } else {
                 continue;

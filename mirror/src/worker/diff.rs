@@ -1,17 +1,16 @@
 //! Diff: what the local mirrors of one remote Service should be, and whether
 //! an object differs from what this worker last applied. Pure functions.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
-use kube::runtime::reflector::Store;
 use strait_mesh::link::LinkSpec;
 
-use crate::mirror::{self, SERVICE_NAME_LABEL};
+use crate::mirror;
 use crate::probe::GatewayEndpoint;
 
 /// A namespaced object's (namespace, name).
@@ -142,22 +141,6 @@ pub(super) fn desired(
         })
         .collect();
     Some(Desired::Headless { service, pods })
-}
-
-/// The remote's EndpointSlices grouped by the Service they belong to.
-pub(super) fn slices_by_service(
-    slices: &Store<EndpointSlice>,
-) -> BTreeMap<Key, Vec<Arc<EndpointSlice>>> {
-    let mut by_service: BTreeMap<Key, Vec<Arc<EndpointSlice>>> = BTreeMap::new();
-    for slice in slices.state() {
-        if let (Some(ns), Some(svc)) = (
-            slice.namespace(),
-            slice.labels().get(SERVICE_NAME_LABEL).cloned(),
-        ) {
-            by_service.entry((ns, svc)).or_default().push(slice);
-        }
-    }
-    by_service
 }
 
 #[cfg(test)]

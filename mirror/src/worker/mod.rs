@@ -16,14 +16,16 @@ mod write;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::{Client, ResourceExt};
 use strait_mesh::link::{Link, LinkSpec, selector_query};
+use strait_mesh::mcs::ServiceExport;
+use tokio::sync::Notify;
 use tokio::sync::watch as signal;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -33,6 +35,7 @@ pub use write::{FIELD_MANAGER, delete_mirror};
 
 use crate::config::{LocalServices, MirrorConfig};
 use crate::probe::GatewayEndpoint;
+use crate::remote_slices::ExportedSlices;
 use crate::status::{LinkHealth, StatusReporter};
 use diff::{Applied, Key};
 use watch::{GatewayWatch, RemoteWatch};
@@ -107,7 +110,7 @@ async fn mirror_link(
         status.set_health(LinkHealth::remote_ok()).await;
         let _ = here.services.wait_until_ready().await;
         let (services, _) = reflector::store::<Service>();
-        let (slices, _) = reflector::store::<EndpointSlice>();
+        let slices = ExportedSlices::default();
         let nothing = Remote {
             services: &services,
             slices: &slices,
@@ -115,16 +118,26 @@ async fn mirror_link(
         };
         sync(here, spec, nothing, &mut applied, status, Pass::full()).await;
         // Still a member of the clusterset (its exports are not selected by label).
+        let exports = watch_exports(&remote, link, config, Arc::new(Notify::new()));
         let _clusterset =
-            join_clusterset(&remote, link, status, config, None, gateways.clone()).await;
+            join_clusterset(link, status, config, exports, None, gateways.clone()).await;
         return futures::future::pending().await;
     };
-    let remote_watch = RemoteWatch::start(&remote, &selector);
-    let _clusterset = join_clusterset(
+    // Only the exported Services' slices are cached: those the selector picks
+    // and those the remote's ServiceExports name.
+    let exports_changed = Arc::new(Notify::new());
+    let exports = watch_exports(&remote, link, config, exports_changed.clone());
+    let remote_watch = RemoteWatch::start(
         &remote,
+        &selector,
+        exports.as_ref().map(|(store, _)| store.clone()),
+        exports_changed,
+    );
+    let _clusterset = join_clusterset(
         link,
         status,
         config,
+        exports,
         Some(remote_watch.slices.clone()),
         gateways.clone(),
     )
@@ -226,20 +239,37 @@ async fn mirror_link(
     }
 }
 
-/// Joins the clusterset feed with the remote's ServiceExports (watched here
-/// for as long as the result is held), its slices and the Link's gateway; a
+/// Starts watching the remote's ServiceExports when this controller is in a
+/// clusterset (waking `changed` on every change).
+fn watch_exports(
+    remote: &Client,
+    link: &Link,
+    config: &MirrorConfig,
+    changed: Arc<Notify>,
+) -> Option<(Store<ServiceExport>, tokio::task::JoinHandle<()>)> {
+    let (_, feed) = config.clusterset.as_ref()?;
+    Some(crate::mcs::watch_remote_exports(
+        remote,
+        feed,
+        &link.spec.target_cluster_name,
+        changed,
+    ))
+}
+
+/// Joins the clusterset feed with the remote's ServiceExports (watched for
+/// as long as the result is held), its slices and the Link's gateway; a
 /// refusal (a name already linked, or this cluster's) goes to the Link's status.
 async fn join_clusterset(
-    remote: &Client,
     link: &Link,
     status: &StatusReporter,
     config: &MirrorConfig,
-    slices: Option<Store<EndpointSlice>>,
+    exports: Option<(Store<ServiceExport>, tokio::task::JoinHandle<()>)>,
+    slices: Option<ExportedSlices>,
     gateways: GatewayWatch,
 ) -> Option<(crate::mcs::Membership, AbortOnDrop)> {
     let (local_name, feed) = config.clusterset.as_ref()?;
     let spec = &link.spec;
-    let (exports, task) = crate::mcs::watch_remote_exports(remote, feed, &spec.target_cluster_name);
+    let (exports, task) = exports?;
     let key = format!(
         "{}/{}",
         link.namespace().unwrap_or_default(),
@@ -283,7 +313,7 @@ impl Drop for AbortOnDrop {
 #[derive(Clone, Copy)]
 struct Remote<'a> {
     services: &'a Store<Service>,
-    slices: &'a Store<EndpointSlice>,
+    slices: &'a ExportedSlices,
     gateways: &'a [GatewayEndpoint],
 }
 
@@ -323,12 +353,15 @@ async fn sync(
 ) {
     let started = std::time::Instant::now();
     let cluster = &spec.target_cluster_name;
-    let slices = diff::slices_by_service(remote.slices);
+    let slices = remote.slices.snapshot();
     let cache: &Applied = applied;
     let outcomes: Vec<(Key, Vec<Key>, _, write::Writes)> =
         futures::stream::iter(remote.services.state().into_iter().map(|service| {
             let key = diff::key_of(service.as_ref());
-            let service_slices = slices.get(&key).map_or(&[][..], Vec::as_slice);
+            // None: just exported, its slices not listed yet; written once they are.
+            let known = slices.of(&key);
+            let listing = known.is_none();
+            let service_slices = known.unwrap_or_default();
             let desired =
                 diff::desired(&service, service_slices, spec, remote.gateways, pass.stale);
             async move {
@@ -336,6 +369,9 @@ async fn sync(
                     return (key, Vec::new(), Ok(()), write::Writes::default());
                 };
                 let wanted = desired.wanted();
+                if listing {
+                    return (key, wanted, Ok(()), write::Writes::default());
+                }
                 let (result, writes) = write::write_desired(local, spec, desired, cache).await;
                 (key, wanted, result, writes)
             }

@@ -7,18 +7,18 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Secret, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use strait_mesh::kubeconfig::{self, UnsafeKubeconfig};
 use strait_mesh::link::Link;
+use strait_mesh::mcs::ServiceExport;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::config::MirrorConfig;
-use crate::mirror::SERVICE_NAME_LABEL;
 use crate::probe::{GatewayEndpoint, GatewayProbe, ProbeSettings};
+use crate::remote_slices::{Exported, ExportedSlices};
 use crate::status::StatusReporter;
 
 #[derive(Debug, thiserror::Error)]
@@ -147,11 +147,12 @@ pub(super) fn gateways(
     gw_rx
 }
 
-/// Reflector stores of the remote's exported Services and their slices,
-/// kept by two watches that retry by themselves (with backoff).
+/// The remote's exported Services (a reflector store) and only their slices
+/// ([`ExportedSlices`]: not every slice of the remote), kept by watches that
+/// retry by themselves (with backoff).
 pub(super) struct RemoteWatch {
     pub services: Store<Service>,
-    pub slices: Store<EndpointSlice>,
+    pub slices: ExportedSlices,
     /// Woken on every change to either store.
     pub changed: Arc<Notify>,
     /// Each watch event's outcome: whether the remote API answers.
@@ -160,11 +161,16 @@ pub(super) struct RemoteWatch {
 }
 
 impl RemoteWatch {
-    /// Watches Services matching `selector`, and every slice that belongs
-    /// to a Service (filtered to exported ones when diffing).
-    pub fn start(remote: &Client, selector: &str) -> Self {
+    /// Watches Services matching `selector`, and the slices of those and of
+    /// the remote's ServiceExports (`exports`, with the MCS API);
+    /// `exports_changed` is woken when `exports` changes.
+    pub fn start(
+        remote: &Client,
+        selector: &str,
+        exports: Option<Store<ServiceExport>>,
+        exports_changed: Arc<Notify>,
+    ) -> Self {
         let (services, svc_writer) = reflector::store::<Service>();
-        let (slices, slice_writer) = reflector::store::<EndpointSlice>();
         // Managed fields are never mirrored; dropping them roughly halves what
         // the stores hold (10,000 exported services).
         let service_events = watcher(
@@ -177,37 +183,30 @@ impl RemoteWatch {
                 a.remove("kubectl.kubernetes.io/last-applied-configuration");
             }
         });
-        let slice_events = watcher(
-            Api::<EndpointSlice>::all(remote.clone()),
-            watcher::Config::default().labels(SERVICE_NAME_LABEL),
-        )
-        .modify(|s| s.metadata.managed_fields = None);
         let changed = Arc::new(Notify::new());
         let (health_tx, health) = mpsc::channel(16);
-        let mut tasks = JoinSet::new();
-        let mut follow =
-            |stream: futures::stream::BoxStream<'static, Result<(), watcher::Error>>| {
-                let (changed, health) = (changed.clone(), health_tx.clone());
-                tasks.spawn(async move {
-                    let mut stream = stream;
-                    while let Some(item) = stream.next().await {
-                        let _ = health.try_send(item.map_err(|e| e.to_string()));
-                        changed.notify_one();
-                    }
-                });
-            };
-        follow(
-            reflector::reflector(svc_writer, service_events)
-                .default_backoff()
-                .map(|r| r.map(|_| ()))
-                .boxed(),
+        let exported = Exported {
+            services: services.clone(),
+            exports,
+        };
+        // What is exported changes with the Services and the exports.
+        let (slices, mut tasks) = ExportedSlices::follow(
+            remote,
+            exported,
+            exports_changed.clone(),
+            changed.clone(),
+            health_tx.clone(),
         );
-        follow(
-            reflector::reflector(slice_writer, slice_events)
-                .default_backoff()
-                .map(|r| r.map(|_| ()))
-                .boxed(),
-        );
+        let stream = reflector::reflector(svc_writer, service_events).default_backoff();
+        let services_changed = changed.clone();
+        tasks.spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(item) = stream.next().await {
+                let _ = health_tx.try_send(item.map(|_| ()).map_err(|e| e.to_string()));
+                services_changed.notify_one();
+                exports_changed.notify_one();
+            }
+        });
         Self {
             services,
             slices,
@@ -217,13 +216,11 @@ impl RemoteWatch {
         }
     }
 
-    /// Resolves once both stores hold a first full list (borrows nothing,
-    /// so the health channel can be read meanwhile).
+    /// Resolves once both stores hold a first full list (the slices' waits
+    /// for the Services'; borrows nothing, so the health channel can be read
+    /// meanwhile).
     pub fn listed(&self) -> impl Future<Output = ()> + use<> {
-        let (services, slices) = (self.services.clone(), self.slices.clone());
-        async move {
-            services.wait_until_ready().await.ok();
-            slices.wait_until_ready().await.ok();
-        }
+        let slices = self.slices.clone();
+        async move { slices.wait_until_ready().await }
     }
 }
