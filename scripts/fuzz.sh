@@ -34,8 +34,17 @@ if [[ ! -x "$tools/bin/cargo-fuzz" ]]; then
   cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked --quiet --root "$tools"
 fi
 export PATH="$tools/bin:$PATH"
+# Build outputs in the project's cache, shared by every clone (CI's is a fresh
+# one each time): the dependencies (kube, quinn, … under the sanitizer) build
+# once per toolchain and lock file, only Strait's own crates again.
+fuzz_target_dir="${STRAIT_CACHE_DIR:-$HOME/.cache/strait}/fuzz-target/$toolchain"
 # `--fuzz-dir` before the target's own arguments (after `--` they go to libFuzzer).
-fuzz() { cargo "+$toolchain" fuzz "$1" --fuzz-dir fuzz "${@:2}"; }
+fuzz() {
+  case "$1" in
+  build | run) cargo "+$toolchain" fuzz "$1" --fuzz-dir fuzz --target-dir "$fuzz_target_dir" "${@:2}" ;;
+  *) cargo "+$toolchain" fuzz "$1" --fuzz-dir fuzz "${@:2}" ;;
+  esac
+}
 
 export CARGO_INCREMENTAL=0
 if (($#)); then targets=("$@"); else mapfile -t targets < <(fuzz list); fi
