@@ -101,6 +101,27 @@ async fn a_pod_identity_follows_the_pods_of_its_account_and_goes_with_the_last()
     .await;
 }
 
+/// What a node proxy calling the mesh's gateway holds: the gateway's
+/// identity, the trust bundle and a proxy certificate.
+fn gateway_caller(
+    mesh: &Mesh,
+) -> (
+    strait_mesh::identity::SpiffeId,
+    strait_mesh::identity::tls::TrustBundle,
+    std::sync::Arc<strait_mesh::identity::tls::CertSlot>,
+) {
+    let gateway_id = format!(
+        "spiffe://{}/ns/strait-system/sa/strait-gateway",
+        mesh.trust_domain
+    )
+    .parse()
+    .unwrap();
+    let bundle =
+        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let (cert, _) = component_identity(mesh, "strait-proxy");
+    (gateway_id, bundle, cert)
+}
+
 fn signal(pid: u32, sig: &str) {
     let status = std::process::Command::new("kill")
         .args([sig, &pid.to_string()])
@@ -126,15 +147,7 @@ async fn a_hung_gateway_or_node_proxy_fails_its_callers_within_the_bound() {
     let gw_pid = gw.pid().unwrap();
     mesh.proxies.push(gw);
     let gw_addr = SocketAddr::new(IpAddr::V4(gw_pod.ip()), 4143);
-    let gateway_id: strait_mesh::identity::SpiffeId = format!(
-        "spiffe://{}/ns/strait-system/sa/strait-gateway",
-        mesh.trust_domain
-    )
-    .parse()
-    .unwrap();
-    let bundle =
-        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
-    let (cert, _) = component_identity(&mesh, "strait-proxy");
+    let (gateway_id, bundle, cert) = gateway_caller(&mesh);
     let connected =
         strait_mesh::tunnel::quic::GatewayClient::new(bundle.clone(), cert.clone()).unwrap();
     connected.probe(gw_addr, &gateway_id).await.unwrap();
@@ -212,15 +225,7 @@ async fn a_gateway_past_its_connection_limit_refuses_new_connections_and_counts_
     mesh.proxies.push(gw);
     let gw_ip = IpAddr::V4(gw_pod.ip());
     let gw_addr = SocketAddr::new(gw_ip, 4143);
-    let gateway_id: strait_mesh::identity::SpiffeId = format!(
-        "spiffe://{}/ns/strait-system/sa/strait-gateway",
-        mesh.trust_domain
-    )
-    .parse()
-    .unwrap();
-    let bundle =
-        strait_mesh::identity::tls::TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
-    let (cert, _) = component_identity(&mesh, "strait-proxy");
+    let (gateway_id, bundle, cert) = gateway_caller(&mesh);
     let client =
         || strait_mesh::tunnel::quic::GatewayClient::new(bundle.clone(), cert.clone()).unwrap();
     // Two callers take both QUIC places; a third is refused on QUIC and
