@@ -264,6 +264,23 @@ fn run_phase(
     }
 }
 
+/// Sets east's export's `strait.dev/affinity` (which side serves).
+fn set_affinity(east: &Path, affinity: &str) {
+    kubectl(
+        east,
+        &[
+            "annotate",
+            "--overwrite",
+            "serviceexport",
+            "-n",
+            "shop",
+            "web",
+            &format!("strait.dev/affinity={affinity}"),
+        ],
+        None,
+    );
+}
+
 fn ms(d: Option<Duration>) -> String {
     d.map_or("-".into(), |d| format!("{} ms", d.as_millis()))
 }
@@ -342,13 +359,7 @@ fn main() {
     .expect("east's node proxy pod address");
     let metrics = SocketAddr::new(proxy_pod, 4191);
 
-    let (e1, e2, e3, w, w2) = (
-        east.clone(),
-        east.clone(),
-        east.clone(),
-        west.clone(),
-        west.clone(),
-    );
+    let (e1, e2, w, w2) = (east.clone(), east.clone(), west.clone(), west.clone());
     let phases = vec![
         Phase {
             name: "steady",
@@ -459,19 +470,7 @@ fn main() {
     for phase in &phases {
         if phase.name == "remote-gateway-killed" {
             // Both clusters serve from here on.
-            kubectl(
-                &e3,
-                &[
-                    "annotate",
-                    "--overwrite",
-                    "serviceexport",
-                    "-n",
-                    "shop",
-                    "web",
-                    "strait.dev/affinity=none",
-                ],
-                None,
-            );
+            set_affinity(&east, "none");
             std::thread::sleep(Duration::from_secs(3));
         }
         if phase.name == "gateway-replica-deleted" {
@@ -496,19 +495,7 @@ fn main() {
                 );
                 std::thread::sleep(Duration::from_millis(200));
             }
-            kubectl(
-                &east,
-                &[
-                    "annotate",
-                    "--overwrite",
-                    "serviceexport",
-                    "-n",
-                    "shop",
-                    "web",
-                    "strait.dev/affinity=remote",
-                ],
-                None,
-            );
+            set_affinity(&east, "remote");
             std::thread::sleep(Duration::from_secs(3));
         }
         let o = run_phase(&east, proxy, metrics, rate, secs, phase);
