@@ -63,7 +63,9 @@ pub struct ConnLimit {
     listener: &'static str,
     max: usize,
     permits: Arc<Semaphore>,
-    metrics: ListenerMetrics,
+    /// This listener's series, resolved once (no label built per connection).
+    open: Gauge,
+    refused: Counter,
     last_log: Arc<Mutex<Option<Instant>>>,
 }
 
@@ -84,18 +86,16 @@ impl ConnLimit {
     const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
     pub fn new(listener: &'static str, max: usize, metrics: &ListenerMetrics) -> Self {
+        let labels = ListenerLabels {
+            listener: listener.to_string(),
+        };
         Self {
             listener,
             max,
             permits: Arc::new(Semaphore::new(max)),
-            metrics: metrics.clone(),
+            open: metrics.open.get_or_create(&labels).clone(),
+            refused: metrics.refused.get_or_create(&labels).clone(),
             last_log: Arc::default(),
-        }
-    }
-
-    fn labels(&self) -> ListenerLabels {
-        ListenerLabels {
-            listener: self.listener.to_string(),
         }
     }
 
@@ -104,15 +104,14 @@ impl ConnLimit {
     pub fn try_acquire(&self) -> Option<ConnPermit> {
         match self.permits.clone().try_acquire_owned() {
             Ok(permit) => {
-                let open = self.metrics.open.get_or_create(&self.labels()).clone();
-                open.inc();
+                self.open.inc();
                 Some(ConnPermit {
                     _permit: permit,
-                    open,
+                    open: self.open.clone(),
                 })
             }
             Err(_) => {
-                self.metrics.refused.get_or_create(&self.labels()).inc();
+                self.refused.inc();
                 let mut last = self.last_log.lock().unwrap_or_else(|e| e.into_inner());
                 let now = Instant::now();
                 if last.is_none_or(|at| now.duration_since(at) >= Self::LOG_INTERVAL) {
