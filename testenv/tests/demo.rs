@@ -88,12 +88,17 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
     let columns: Vec<&str> = ds.split_whitespace().collect();
     // NAME DESIRED CURRENT READY …: a Ready proxy on each of the 2 nodes.
     assert_eq!(&columns[1..4], ["2", "2", "2"], "{ds}");
-    for deployment in ["strait-identity", "strait-gateway", "strait-mirror"] {
+    // The mirror controller runs 2 replicas (leader election); the others 1.
+    for (deployment, ready) in [
+        ("strait-identity", " 1/1 "),
+        ("strait-gateway", " 1/1 "),
+        ("strait-mirror", " 2/2 "),
+    ] {
         let line = shown
             .iter()
             .find(|l| l.contains(&format!("deployment.apps/{deployment} ")))
             .unwrap_or_else(|| panic!("no {deployment} shown:\n{out}"));
-        assert!(line.contains(" 1/1 "), "{deployment} Ready: {line}");
+        assert!(line.contains(ready), "{deployment} Ready ({ready}): {line}");
     }
 
     // The mirror the controller wrote, pointing at the west gateway.
@@ -120,7 +125,7 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         "the mirror's endpoint is the gateway's NodePort {gateway}:{GATEWAY_NODE_PORT}:\n{out}"
     );
     assert!(
-        out.contains("Link west: ClustersetMember=True CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
+        out.contains("Link west: Accepted=True ClustersetMember=True CredentialsValid=True GatewayAlive=True RemoteReachable=True"),
         "{out}"
     );
 

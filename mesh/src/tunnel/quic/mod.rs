@@ -266,7 +266,11 @@ pub struct GatewayClient {
 enum QuicNow {
     Live(quinn::Connection),
     Down,
-    Connect,
+    /// Connect, giving QUIC this head start over TCP: none when the last
+    /// connection died of silence (the path that just went quiet is the
+    /// likelier one to be broken, and a request waiting on it has already
+    /// spent the idle timeout).
+    Connect(Duration),
 }
 
 impl GatewayClient {
@@ -459,7 +463,7 @@ impl GatewayClient {
         identity: &SpiffeId,
         header: &TunnelHeader,
     ) -> Result<GatewayStream, TunnelError> {
-        match self.quic_now(addr, identity) {
+        let head_start = match self.quic_now(addr, identity) {
             QuicNow::Live(connection) => match open_bi(&connection, addr).await {
                 Ok((send, recv)) => {
                     let stream = tokio::io::join(recv, send);
@@ -468,28 +472,31 @@ impl GatewayClient {
                 Err(e) => {
                     tracing::debug!(%addr, "QUIC stream: {e}; reconnecting or falling back");
                     self.forget(addr, identity, &connection);
+                    Duration::ZERO
                 }
             },
             QuicNow::Down => {
                 let stream = self.tcp_stream(addr, identity).await?;
                 return handshake(stream, header, addr).await;
             }
-            QuicNow::Connect => {}
-        }
-        let stream = self.connect_either(addr, identity).await?;
+            QuicNow::Connect(head_start) => head_start,
+        };
+        let stream = self.connect_either(addr, identity, head_start).await?;
         handshake(stream, header, addr).await
     }
 
     /// A fresh QUIC connection, and the TCP fallback if QUIC has not
-    /// connected within [`QUIC_HEAD_START`]: the first stream that opens
-    /// wins (happy eyeballs, QUIC preferred). Tried one after the other, a
-    /// gateway that vanished cost the QUIC handshake timeout plus the TCP
-    /// connect timeout (on top of the idle timeout a request on the dead
-    /// connection had already waited); raced, the longer of the two.
+    /// connected within `head_start` ([`QUIC_HEAD_START`], or none right
+    /// after a QUIC connection to this gateway failed): the first stream
+    /// that opens wins (happy eyeballs, QUIC preferred). Tried one after the
+    /// other, a gateway that vanished cost the QUIC handshake timeout plus
+    /// the TCP connect timeout (on top of the idle timeout a request on the
+    /// dead connection had already waited); raced, the longer of the two.
     async fn connect_either(
         self: &Arc<Self>,
         addr: SocketAddr,
         identity: &SpiffeId,
+        head_start: Duration,
     ) -> Result<GatewayStream, TunnelError> {
         // The handshake runs as a task of its own: when TCP wins, it still
         // finishes and records whether QUIC works (the connection for the
@@ -503,7 +510,7 @@ impl GatewayClient {
             Some(GatewayStream::Quic(tokio::io::join(recv, send)))
         };
         let tcp = async {
-            tokio::time::sleep(QUIC_HEAD_START).await;
+            tokio::time::sleep(head_start).await;
             self.tcp_stream(addr, identity).await
         };
         tokio::pin!(quic, tcp);
@@ -595,14 +602,17 @@ impl GatewayClient {
     fn quic_now(self: &Arc<Self>, addr: SocketAddr, identity: &SpiffeId) -> QuicNow {
         let mut gateways = self.gateways.lock().unwrap_or_else(|e| e.into_inner());
         let state = gateways.entry((addr, identity.clone())).or_default();
+        let mut head_start = QUIC_HEAD_START;
         if let Some(c) = &state.connection {
-            if c.close_reason().is_none() {
-                return QuicNow::Live(c.clone());
+            match c.close_reason() {
+                None => return QuicNow::Live(c.clone()),
+                Some(quinn::ConnectionError::TimedOut) => head_start = Duration::ZERO,
+                Some(_) => {}
             }
             state.connection = None;
         }
         let Some(until) = state.quic_down_until else {
-            return QuicNow::Connect;
+            return QuicNow::Connect(head_start);
         };
         if Instant::now() >= until && !state.probing {
             state.probing = true;
