@@ -15,7 +15,9 @@ APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat prox
   # Real nodes (testenv --real-nodes): container runtime, CNI plugins, kube-proxy's conntrack, the pause image's C build.
   containerd runc containernetworking-plugins conntrack gcc libc6-dev
   # The MCS conformance suite's pod images (testenv/src/images/conformance.rs; socat is above).
-  busybox-static netcat-openbsd bind9-dnsutils)
+  busybox-static netcat-openbsd bind9-dnsutils
+  # deploy/observability/'s scrape configuration and dashboard, checked against a real Prometheus.
+  prometheus)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"

@@ -11,11 +11,13 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use strait_mesh::discovery::{Discovery, Route};
 use strait_mesh::identity::SpiffeId;
 use strait_mesh::identity::client::ManagedIdentity;
 use strait_mesh::identity::tls::{self, TrustBundle};
+use strait_mesh::names::ClusterNames;
 use strait_mesh::tunnel::client::open_to_pod;
 use strait_mesh::tunnel::quic::TUNNEL_H2_ALPN;
 use strait_mesh::tunnel::{
@@ -43,7 +45,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct StreamLabels {
     /// `quic` or `tcp`.
     pub transport: String,
-    /// The caller's trust domain (its cluster).
+    /// The caller's cluster (named from its trust domain as
+    /// [`ClusterNames`] does) and its trust domain.
+    pub src_cluster: String,
     pub src_trust_domain: String,
     pub src_namespace: String,
     pub src_workload: String,
@@ -56,6 +60,7 @@ pub struct StreamLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DeniedLabels {
     pub reason: String,
+    pub src_cluster: String,
     pub src_trust_domain: String,
     pub dst_cluster: String,
 }
@@ -70,6 +75,7 @@ impl Overflow for StreamLabels {
         let other = || OVERFLOW_LABEL.to_string();
         Self {
             transport: other(),
+            src_cluster: other(),
             src_trust_domain: other(),
             src_namespace: other(),
             src_workload: other(),
@@ -85,6 +91,7 @@ impl Overflow for DeniedLabels {
         let other = || OVERFLOW_LABEL.to_string();
         Self {
             reason: other(),
+            src_cluster: other(),
             src_trust_domain: other(),
             dst_cluster: other(),
         }
@@ -99,6 +106,9 @@ pub struct GatewayMetrics {
     pub connections: Family<TransportLabels, Counter>,
     pub streams: BoundedFamily<StreamLabels, Counter>,
     pub stream_bytes: BoundedFamily<StreamLabels, Counter>,
+    /// How long forwarded streams lasted (a pooled HTTP stream carries many
+    /// requests: the gateway sees only the end-to-end session's bytes).
+    pub stream_duration: BoundedFamily<StreamLabels, Histogram>,
     pub denied: BoundedFamily<DeniedLabels, Counter>,
     pub open_streams: Gauge,
     pub probes: Family<TransportLabels, Counter>,
@@ -120,6 +130,12 @@ impl GatewayMetrics {
             connections: Family::default(),
             streams: BoundedFamily::new("gateway_streams", max, &overflows),
             stream_bytes: BoundedFamily::new("gateway_stream_bytes", max, &overflows),
+            stream_duration: BoundedFamily::with_constructor(
+                "gateway_stream_duration_seconds",
+                max,
+                &overflows,
+                || Histogram::new(exponential_buckets(0.001, 4.0, 10)),
+            ),
             denied: BoundedFamily::new("gateway_denied", max, &overflows),
             open_streams: Gauge::default(),
             probes: Family::default(),
@@ -151,6 +167,11 @@ impl GatewayMetrics {
             self.stream_bytes.family().clone(),
         );
         registry.register(
+            "gateway_stream_duration_seconds",
+            "How long forwarded streams lasted, from the caller's header to the last byte",
+            self.stream_duration.family().clone(),
+        );
+        registry.register(
             "gateway_denied",
             "Streams refused, by reason",
             self.denied.family().clone(),
@@ -170,6 +191,8 @@ impl GatewayMetrics {
 
 pub struct Gateway {
     pub cluster: String,
+    /// Callers' clusters, named from their trust domains.
+    clusters: ClusterNames,
     pub discovery: Discovery,
     pub identity: Arc<ManagedIdentity>,
     pub bundle: TrustBundle,
@@ -202,6 +225,7 @@ impl Gateway {
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster: cluster.to_string(),
+            clusters: ClusterNames::new(cluster, identity.id().trust_domain()),
             discovery,
             identity,
             bundle,
@@ -260,10 +284,13 @@ impl Gateway {
                 continue;
             };
             let this = self.clone();
+            // Counted here, not in the task: under a flood this loop runs
+            // far ahead of the tasks it spawns, and a count they raise
+            // later would let thousands past the Retry threshold.
+            handshaking.fetch_add(1, Ordering::AcqRel);
             let handshaking = handshaking.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                handshaking.fetch_add(1, Ordering::AcqRel);
                 let accepted = incoming.await;
                 handshaking.fetch_sub(1, Ordering::AcqRel);
                 let connection = match accepted {
@@ -456,6 +483,7 @@ impl Gateway {
                 let mut labels = labels;
                 labels.transport = transport.into();
                 self.metrics.streams.get_or_create(&labels).inc();
+                let started = std::time::Instant::now();
                 let mut tunnel = tunnel;
                 // A stream lives as long as the caller keeps it (pooled HTTP
                 // keeps it for many requests): when the Service stops being
@@ -475,6 +503,10 @@ impl Gateway {
                         tracing::info!(%caller, "closing a stream: {why}");
                     }
                 }
+                self.metrics
+                    .stream_duration
+                    .get_or_create(&labels)
+                    .observe(started.elapsed().as_secs_f64());
             }
             Err(refusal) => {
                 self.deny(header.source.as_ref().unwrap_or(&peer), refusal.reason());
@@ -520,6 +552,7 @@ impl Gateway {
             .denied
             .get_or_create(&DeniedLabels {
                 reason: reason.into(),
+                src_cluster: self.clusters.of(caller.trust_domain()).into(),
                 src_trust_domain: caller.trust_domain().into(),
                 dst_cluster: self.cluster.clone(),
             })
@@ -584,6 +617,7 @@ impl Gateway {
         }
         let labels = StreamLabels {
             transport: String::new(),
+            src_cluster: self.clusters.of(caller.trust_domain()).into(),
             src_trust_domain: caller.trust_domain().into(),
             src_namespace: caller.namespace().into(),
             src_workload: caller.service_account().into(),

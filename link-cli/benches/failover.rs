@@ -57,10 +57,11 @@ enum Side {
 }
 
 impl Side {
-    fn workload(self) -> &'static str {
+    /// The label of calls to this side on east's node proxy.
+    fn cluster(self) -> &'static str {
         match self {
-            Side::Local => "dst_workload=\"web\"",
-            Side::Remote => "dst_workload=\"strait-gateway\"",
+            Side::Local => "dst_cluster=\"east\"",
+            Side::Remote => "dst_cluster=\"west\"",
         }
     }
 }
@@ -217,7 +218,7 @@ fn run_phase(
         metric_sum(
             &text,
             "request_total",
-            &["direction=\"outbound\"", side.workload()],
+            &["direction=\"outbound\"", side.cluster()],
         )
     };
     let started = Instant::now();

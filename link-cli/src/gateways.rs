@@ -77,26 +77,7 @@ pub fn table(rows: &[GatewayRow]) -> String {
             latency,
         ]);
     }
-    let widths: Vec<usize> = (0..4)
-        .map(|i| {
-            lines
-                .iter()
-                .map(|l| l[i].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    lines
-        .iter()
-        .map(|l| {
-            let cells: Vec<String> = l
-                .iter()
-                .zip(&widths)
-                .map(|(c, w)| format!("{c:<w$}"))
-                .collect();
-            cells.join("   ").trim_end().to_string() + "\n"
-        })
-        .collect()
+    crate::table::render(&lines)
 }
 
 pub async fn gateways(args: GatewaysArgs) -> anyhow::Result<String> {

@@ -8,6 +8,8 @@ mod identity;
 mod install;
 mod link;
 mod rotate;
+mod stat;
+mod table;
 
 use clap::{Parser, Subcommand};
 use strait_mesh::telemetry::{LogFormat, init_tracing};
@@ -46,6 +48,9 @@ enum Command {
     Check(check::CheckArgs),
     /// Linked clusters' gateways: CLUSTER, ALIVE, NUM_SVC, LATENCY (p50/p99).
     Gateways(gateways::GatewaysArgs),
+    /// Golden metrics per Service (rate, success, latency), from this cluster's node proxies:
+    /// calls its pods make, locally and to linked clusters, and calls into it from them.
+    Stat(stat::StatArgs),
     /// Export a Service to linked clusters: `strait export svc/web -n shop`.
     Export(export::ExportArgs),
     /// Stop exporting a Service: `strait unexport svc/web -n shop`.
@@ -80,6 +85,9 @@ fn main() -> std::process::ExitCode {
         },
         Command::Gateways(args) => runtime()
             .and_then(|rt| rt.block_on(gateways::gateways(args)))
+            .map(|out| print!("{out}")),
+        Command::Stat(args) => runtime()
+            .and_then(|rt| rt.block_on(stat::stat(args)))
             .map(|out| print!("{out}")),
         Command::Export(args) => runtime()
             .and_then(|rt| rt.block_on(export::export(args)))

@@ -4,7 +4,10 @@
 //! a call to the mirror `web-west` crosses east's node proxy, QUIC to west's
 //! gateway (a NodePort across the WAN), west's node proxy, and reaches a west
 //! pod with the caller's identity; CONNECT reaches its TCP echo the same way;
-//! h2c from a transparent-mode pod arrives as HTTP/2; UDP blocked → TCP
+//! h2c from a transparent-mode pod arrives as HTTP/2; `strait stat` on each
+//! side shows the calls by cluster under live traffic, and a real Prometheus
+//! with deploy/observability/'s scrape configuration answers every query of
+//! its Grafana dashboard; UDP blocked → TCP
 //! fallback → back to QUIC;
 //! the WAN cut fails requests in bounded time and restoring it heals them;
 //! the gateway pod deleted is replaced by its Deployment and calls resume;
@@ -20,7 +23,9 @@ use strait_testenv::installed::{
     kubectl_until, proxy_service_ip, wait_ready, web_manifests,
 };
 use strait_testenv::net::root_or_skip;
+use strait_testenv::prometheus::Prometheus;
 use strait_testenv::stack::metric_sum;
+use strait_testenv::wait::eventually;
 use strait_testenv::{http_get, kubectl};
 
 const CALLER: &str = "spiffe://east.clusterset.local/ns/shop/sa/client";
@@ -41,6 +46,220 @@ fn get(kubeconfig: &Path, url: &str) -> (Result<String, String>, Duration) {
             took,
         )
     }
+}
+
+/// A real Prometheus with the shipped scrape configuration, one job per
+/// cluster, scraping every second. Debian's Prometheus has no Kubernetes
+/// discovery: each job's pods (of the namespaces the shipped discovery
+/// names) are discovered as it would, into a file the job reads instead;
+/// the shipped relabeling is used as it is.
+async fn prometheus_scraping(east: &Path, west: &Path) -> (Prometheus, tempfile::TempDir) {
+    let shipped: serde_yaml::Value =
+        serde_yaml::from_str(include_str!("../../deploy/observability/prometheus.yml")).unwrap();
+    let job = shipped["scrape_configs"][0].clone();
+    let discovery = &job["kubernetes_sd_configs"][0];
+    assert_eq!(discovery["role"], "pod", "{discovery:?}");
+    let namespaces: Vec<String> = discovery["namespaces"]["names"]
+        .as_sequence()
+        .expect("the shipped discovery names its namespaces")
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .collect();
+    let dir = tempfile::Builder::new()
+        .prefix("strait-sd-")
+        .tempdir()
+        .unwrap();
+    let mut jobs = Vec::new();
+    for (cluster, kubeconfig) in [("east", east), ("west", west)] {
+        let mut items = Vec::new();
+        for namespace in &namespaces {
+            let listed = kubectl(
+                kubeconfig,
+                &["get", "pods", "-n", namespace, "-o", "json"],
+                None,
+            );
+            let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+            items.extend(listed["items"].as_array().cloned().unwrap_or_default());
+        }
+        let targets = strait_testenv::prometheus::pod_targets(&serde_json::json!({"items": items}));
+        let file = dir.path().join(format!("{cluster}.json"));
+        std::fs::write(&file, targets.to_string()).unwrap();
+        let mut job = job.clone();
+        job["job_name"] = format!("strait-{cluster}").into();
+        let mapping = job.as_mapping_mut().unwrap();
+        mapping.remove("kubernetes_sd_configs");
+        mapping.insert(
+            "file_sd_configs".into(),
+            serde_yaml::to_value(serde_json::json!([{"files": [file.display().to_string()]}]))
+                .unwrap(),
+        );
+        jobs.push(job);
+    }
+    let mut config = shipped;
+    config["global"]["scrape_interval"] = "1s".into();
+    config["scrape_configs"] = jobs.into();
+    let prometheus = Prometheus::start(&serde_yaml::to_string(&config).unwrap())
+        .await
+        .expect("prometheus with deploy/observability/prometheus.yml");
+    (prometheus, dir)
+}
+
+/// Every Strait component of both clusters is a healthy target, and every
+/// query of every panel of the shipped Grafana dashboard returns data; the
+/// request rate shows east's calls to west's `web`.
+async fn dashboard_queries_return_data(prometheus: &Prometheus) {
+    eventually(
+        "Prometheus scrapes every Strait component of both clusters",
+        Duration::from_secs(60),
+        || async {
+            let targets = prometheus.targets().await.map_err(|e| e.to_string())?;
+            let mut seen = std::collections::BTreeSet::new();
+            for t in &targets {
+                if t["health"] != "up" {
+                    return Err(format!("a target is not up: {t}"));
+                }
+                seen.insert(format!(
+                    "{} {}",
+                    t["labels"]["job"].as_str().unwrap_or(""),
+                    t["labels"]["component"].as_str().unwrap_or("")
+                ));
+            }
+            let want: std::collections::BTreeSet<String> = ["east", "west"]
+                .iter()
+                .flat_map(|c| {
+                    [
+                        "strait-proxy",
+                        "strait-gateway",
+                        "strait-mirror",
+                        "strait-identity",
+                    ]
+                    .map(move |n| format!("strait-{c} {n}"))
+                })
+                .collect();
+            if seen == want {
+                Ok(())
+            } else {
+                Err(format!("targets {seen:?}, want {want:?}"))
+            }
+        },
+    )
+    .await;
+    let dashboard: serde_json::Value = serde_json::from_str(include_str!(
+        "../../deploy/observability/grafana-dashboard.json"
+    ))
+    .unwrap();
+    let panels = dashboard["panels"].as_array().expect("panels");
+    for panel in panels {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            let title = panel["title"].as_str().unwrap_or("");
+            eventually(
+                &format!("data for the panel {title:?}"),
+                Duration::from_secs(60),
+                || async {
+                    let result = prometheus.query(expr).await.map_err(|e| e.to_string())?;
+                    match result.as_array() {
+                        Some(series) if !series.is_empty() => Ok(()),
+                        _ => Err(format!("{expr}: {result}")),
+                    }
+                },
+            )
+            .await;
+        }
+    }
+    let rate = prometheus
+        .query(panels[0]["targets"][0]["expr"].as_str().unwrap())
+        .await
+        .unwrap();
+    let web = rate.as_array().and_then(|series| {
+        series.iter().find(|s| {
+            s["metric"]["src_cluster"] == "east"
+                && s["metric"]["dst_cluster"] == "west"
+                && s["metric"]["dst_service"] == "web"
+        })
+    });
+    let value = web
+        .and_then(|s| s["value"][1].as_str())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(
+        value.is_some_and(|v| v > 0.0),
+        "east → west web request rate: {rate}"
+    );
+    eprintln!(
+        "MEASURED Prometheus: {} panels answered; east → west web {:?} rps",
+        panels.len(),
+        value
+    );
+}
+
+/// `strait stat` in both clusters while east's client calls `web-west`:
+/// east's node proxies count the calls to west's `web` (the remote Service
+/// and cluster, not the gateway), west's count the same calls coming in from
+/// east, each with a rate, a success rate and latencies.
+fn stat_shows_the_cross_cluster_calls(mesh: &InstalledMesh, east: &Path, west: &Path) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let traffic = {
+        let (stop, east) = (stop.clone(), east.to_path_buf());
+        std::thread::spawn(move || {
+            let (mut ok, mut failed) = (0, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                match get(&east, &format!("{MIRROR_URL}/stat")).0 {
+                    Ok(_) => ok += 1,
+                    Err(e) => failed.push(e),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    let stat = |kubeconfig: &Path, extra: &[&str]| -> serde_json::Value {
+        let kubeconfig = kubeconfig.display().to_string();
+        let mut args = vec![
+            "stat",
+            "--kubeconfig",
+            &kubeconfig,
+            "--window",
+            "5s",
+            "-o",
+            "json",
+        ];
+        args.extend(extra);
+        let out = mesh.strait(&args).expect("strait stat");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("strait stat -o json: {e}: {out}"))
+    };
+    let from_east = stat(east, &[]);
+    let into_west = stat(west, &["--from", "east"]);
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed) = traffic.join().unwrap();
+    assert!(
+        failed.is_empty(),
+        "calls failed during the windows: {failed:?}"
+    );
+    eprintln!("MEASURED strait stat: east {from_east}; west --from east {into_west} ({ok} calls)");
+    for (rows, side) in [
+        (&from_east, "east's outbound"),
+        (&into_west, "west's inbound"),
+    ] {
+        let row = rows
+            .as_array()
+            .and_then(|rows| {
+                rows.iter().find(|r| {
+                    r["namespace"] == "shop" && r["service"] == "web" && r["cluster"] == "west"
+                })
+            })
+            .unwrap_or_else(|| panic!("{side}: no row for shop/web in west: {rows}"));
+        assert!(row["requests"].as_u64().unwrap_or(0) >= 1, "{side}: {row}");
+        assert!(
+            row["requestsPerSecond"].as_f64().unwrap_or(0.0) > 0.0,
+            "{side}: {row}"
+        );
+        assert_eq!(row["successRate"], 1.0, "{side}: {row}");
+        assert!(
+            row["latencyP99Ms"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{side}: {row}"
+        );
+    }
+    assert_eq!(into_west[0]["from"], "east", "{into_west}");
 }
 
 /// The gateway pod's address and metrics (admin port 4191, reachable from the host).
@@ -213,6 +432,11 @@ async fn east_calls_west_through_installed_strait() {
         "{h2}"
     );
     assert_eq!(h2["headers"]["strait-client-id"], CALLER, "{h2}");
+
+    let (prometheus, _discovered) = prometheus_scraping(&east, &west).await;
+    stat_shows_the_cross_cluster_calls(&mesh, &east, &west);
+    dashboard_queries_return_data(&prometheus).await;
+    drop(prometheus);
 
     // 2. UDP blocked: the proxies fall back to TCP + TLS; unblocked: back to QUIC.
     mesh.wan.block_udp().unwrap();

@@ -211,8 +211,24 @@ where
     M: Default + prometheus_client::metrics::TypedMetric + Clone,
 {
     pub fn new(name: &'static str, max: usize, overflows: &OverflowMetrics) -> Self {
+        Self::with_constructor(name, max, overflows, M::default)
+    }
+}
+
+impl<L, M> BoundedFamily<L, M>
+where
+    L: Clone + Hash + Eq + Overflow + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static,
+    M: prometheus_client::metrics::TypedMetric + Clone,
+{
+    /// A family whose series `new` makes (a histogram's buckets).
+    pub fn with_constructor(
+        name: &'static str,
+        max: usize,
+        overflows: &OverflowMetrics,
+        new: fn() -> M,
+    ) -> Self {
         Self {
-            family: Family::default(),
+            family: Family::new_with_constructor(new),
             seen: Arc::default(),
             max,
             name,

@@ -17,6 +17,50 @@ pub fn cluster_trust_domain(cluster: &str, clusterset_domain: &str) -> String {
     format!("{cluster}.{clusterset_domain}")
 }
 
+/// Names clusters from identities' trust domains, for metrics: this
+/// cluster's own trust domain is `cluster`; `<c>.clusterset.local` (each
+/// cluster's default) is `c`; any other trust domain names itself.
+#[derive(Clone, Debug)]
+pub struct ClusterNames {
+    cluster: String,
+    trust_domain: String,
+}
+
+impl ClusterNames {
+    /// This cluster is `cluster`, its identities under `trust_domain`.
+    pub fn new(cluster: &str, trust_domain: &str) -> Self {
+        Self {
+            cluster: cluster.to_string(),
+            trust_domain: trust_domain.to_ascii_lowercase(),
+        }
+    }
+
+    /// This cluster's name.
+    pub fn own(&self) -> &str {
+        &self.cluster
+    }
+
+    /// The cluster whose identities are under `trust_domain`.
+    pub fn of<'a>(&'a self, trust_domain: &'a str) -> &'a str {
+        if trust_domain.eq_ignore_ascii_case(&self.trust_domain) {
+            return &self.cluster;
+        }
+        trust_domain
+            .strip_suffix(CLUSTERSET_DOMAIN)
+            .and_then(|p| p.strip_suffix('.'))
+            .filter(|c| !c.is_empty() && !c.contains('.'))
+            .unwrap_or(trust_domain)
+    }
+}
+
+/// The namespace and name of the Service `<name>.<namespace>.svc.<domain>`.
+pub fn service_of_fqdn(fqdn: &str) -> Option<(&str, &str)> {
+    let (service, _domain) = fqdn.split_once(".svc.")?;
+    let (name, namespace) = service.split_once('.')?;
+    (!name.is_empty() && !namespace.is_empty() && !namespace.contains('.'))
+        .then_some((namespace, name))
+}
+
 /// The prefix of every Strait label and annotation.
 pub const PREFIX: &str = "strait.dev/";
 
@@ -176,6 +220,38 @@ pub fn may_speak_for(receiver: Carrier, peer: &SpiffeId, claimed: &SpiffeId) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clusters_are_named_from_trust_domains() {
+        let names = ClusterNames::new("east", "east.clusterset.local");
+        assert_eq!(names.of("east.clusterset.local"), "east");
+        assert_eq!(names.of("west.clusterset.local"), "west");
+        // A legacy shared trust domain is this cluster's when it is ours…
+        assert_eq!(
+            ClusterNames::new("east", "cluster.local").of("cluster.local"),
+            "east"
+        );
+        // …and names itself otherwise, as does any other domain.
+        assert_eq!(names.of("cluster.local"), "cluster.local");
+        assert_eq!(names.of("a.b.clusterset.local"), "a.b.clusterset.local");
+        assert_eq!(names.of("clusterset.local"), "clusterset.local");
+        assert_eq!(names.of("prod.example.com"), "prod.example.com");
+    }
+
+    #[test]
+    fn services_are_read_from_fqdns() {
+        assert_eq!(
+            service_of_fqdn("web.shop.svc.cluster.local"),
+            Some(("shop", "web"))
+        );
+        assert_eq!(
+            service_of_fqdn("web.shop.svc.west.example"),
+            Some(("shop", "web"))
+        );
+        assert_eq!(service_of_fqdn("web.svc.cluster.local"), None);
+        assert_eq!(service_of_fqdn("a.b.c.svc.cluster.local"), None);
+        assert_eq!(service_of_fqdn("web.shop"), None);
+    }
 
     fn id(ns: &str, sa: &str) -> SpiffeId {
         SpiffeId::new("cluster.local", ns, sa).unwrap()

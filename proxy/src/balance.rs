@@ -216,6 +216,7 @@ mod tests {
             identity: "spiffe://td/ns/shop/sa/web".parse().unwrap(),
             via: crate::view::Via::NodeProxy(SocketAddr::from(([10, 1, 0, i], 4143))),
             weight: 1,
+            service: None,
         }
     }
 

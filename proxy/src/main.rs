@@ -170,7 +170,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
-    let metrics = ProxyMetrics::new(&args.cluster_name);
+    let metrics = ProxyMetrics::new(&args.cluster_name, &args.trust_domain);
     let identity_metrics = IdentityMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);

@@ -12,49 +12,35 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use strait_mesh::identity::SpiffeId;
 
-use crate::view::LocalPod;
+use strait_mesh::names::ClusterNames;
 
-/// Who talked to whom.
+use crate::view::{Endpoint, LocalPod, Via};
+
 /// Labels of `inbound_refusals_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
     pub reason: &'static str,
 }
 
+/// Who talked to whom, across clusters: the caller (`src_*`, its cluster
+/// named from its identity's trust domain) and the destination (`dst_*`: for
+/// a call through a gateway, the remote Service and its cluster, not the
+/// gateway). `cluster` is the cluster of the proxy that counted.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
     pub direction: String,
+    pub src_cluster: String,
     pub src_namespace: String,
     pub src_workload: String,
+    pub dst_cluster: String,
     pub dst_namespace: String,
+    /// The destination pod's ServiceAccount; empty through a gateway (the
+    /// remote cluster picks the pod).
     pub dst_workload: String,
+    /// The Service called (outbound) or named by a caller of another
+    /// cluster (inbound); empty when none was (a pod called by address).
+    pub dst_service: String,
     pub cluster: String,
-}
-
-impl TcpLabels {
-    /// An inbound connection from `client` to a pod on this node.
-    pub fn inbound(client: &SpiffeId, pod: &LocalPod) -> Self {
-        Self {
-            direction: "inbound".into(),
-            src_namespace: client.namespace().into(),
-            src_workload: client.service_account().into(),
-            dst_namespace: pod.namespace.clone(),
-            dst_workload: pod.service_account.clone(),
-            cluster: String::new(),
-        }
-    }
-
-    /// An outbound connection from a local pod to `destination`.
-    pub fn outbound(source: &SpiffeId, destination: &SpiffeId) -> Self {
-        Self {
-            direction: "outbound".into(),
-            src_namespace: source.namespace().into(),
-            src_workload: source.service_account().into(),
-            dst_namespace: destination.namespace().into(),
-            dst_workload: destination.service_account().into(),
-            cluster: String::new(),
-        }
-    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -68,7 +54,7 @@ pub struct ResponseLabels {
 /// Cheap to clone; clones share every series.
 #[derive(Clone, Debug)]
 pub struct ProxyMetrics {
-    cluster: String,
+    clusters: ClusterNames,
     tcp_open: Family<TcpLabels, Counter>,
     tcp_close: Family<TcpLabels, Counter>,
     tcp_read_bytes: Family<TcpLabels, Counter>,
@@ -81,9 +67,11 @@ pub struct ProxyMetrics {
     /// Tunnels the inbound side refused, by reason (a bounded set).
     inbound_refusals: Family<RefusalLabels, Counter>,
     end_to_end_proven: Counter,
-    /// The outbound side's series by (source, destination): one lookup per
-    /// request instead of one per metric, and no label built or cloned.
-    outbound_http: Arc<Mutex<HashMap<SpiffeId, HashMap<SpiffeId, HttpSeries>>>>,
+    /// The outbound side's series by source, destination identity and
+    /// Service: one lookup per request instead of one per metric, and no
+    /// label built or cloned.
+    #[allow(clippy::type_complexity)]
+    outbound_http: Arc<Mutex<HashMap<SpiffeId, HashMap<SpiffeId, HashMap<Service, HttpSeries>>>>>,
     /// The (source, destination) label sets in use: at most
     /// `max_label_sets`, then [`TcpLabels::overflow`] (counted).
     peers: Arc<Mutex<std::collections::HashSet<TcpLabels>>>,
@@ -91,16 +79,24 @@ pub struct ProxyMetrics {
     overflows: strait_mesh::limits::OverflowMetrics,
 }
 
+/// An endpoint's Service, as the outbound cache keys it.
+type Service = Option<Arc<crate::view::ServiceName>>;
+
 impl TcpLabels {
-    /// Every peer label `other`: where label sets past the bound are counted.
+    /// Every workload and Service label `other` (the clusters kept: there are
+    /// few, each proven by a name-constrained issuer): where label sets past
+    /// the bound are counted.
     fn overflow(&self) -> Self {
         let other = || strait_mesh::limits::OVERFLOW_LABEL.to_string();
         Self {
             direction: self.direction.clone(),
+            src_cluster: self.src_cluster.clone(),
             src_namespace: other(),
             src_workload: other(),
+            dst_cluster: self.dst_cluster.clone(),
             dst_namespace: other(),
             dst_workload: other(),
+            dst_service: other(),
             cluster: self.cluster.clone(),
         }
     }
@@ -174,9 +170,11 @@ impl HttpSeries {
 }
 
 impl ProxyMetrics {
-    pub fn new(cluster: &str) -> Self {
+    /// The metrics of a proxy in `cluster`, whose identities are under
+    /// `trust_domain`.
+    pub fn new(cluster: &str, trust_domain: &str) -> Self {
         Self {
-            cluster: cluster.to_string(),
+            clusters: ClusterNames::new(cluster, trust_domain),
             tcp_open: Family::default(),
             tcp_close: Family::default(),
             tcp_read_bytes: Family::default(),
@@ -203,6 +201,52 @@ impl ProxyMetrics {
     pub fn with_max_label_sets(mut self, max: usize) -> Self {
         self.max_label_sets = max;
         self
+    }
+
+    /// An inbound connection from `client` to a pod on this node; `service`:
+    /// the Service a caller of another cluster named (its FQDN).
+    pub fn inbound_labels(
+        &self,
+        client: &SpiffeId,
+        pod: &LocalPod,
+        service: Option<&str>,
+    ) -> TcpLabels {
+        let own = self.clusters.own();
+        TcpLabels {
+            direction: "inbound".into(),
+            src_cluster: self.clusters.of(client.trust_domain()).into(),
+            src_namespace: client.namespace().into(),
+            src_workload: client.service_account().into(),
+            dst_cluster: own.into(),
+            dst_namespace: pod.namespace.clone(),
+            dst_workload: pod.service_account.clone(),
+            dst_service: service
+                .and_then(strait_mesh::names::service_of_fqdn)
+                .map_or_else(String::new, |(_, name)| name.to_string()),
+            cluster: own.into(),
+        }
+    }
+
+    /// An outbound connection from a local pod (`source`) to `endpoint`: a
+    /// pod (its identity names it) or a gateway (the remote Service does).
+    pub fn outbound_labels(&self, source: &SpiffeId, endpoint: &Endpoint) -> TcpLabels {
+        let id = &endpoint.identity;
+        let service = endpoint.service.as_deref();
+        let (dst_namespace, dst_workload) = match endpoint.via {
+            Via::NodeProxy(_) => (id.namespace(), id.service_account()),
+            Via::Gateway { .. } => (service.map_or("", |s| s.namespace.as_str()), ""),
+        };
+        TcpLabels {
+            direction: "outbound".into(),
+            src_cluster: self.clusters.of(source.trust_domain()).into(),
+            src_namespace: source.namespace().into(),
+            src_workload: source.service_account().into(),
+            dst_cluster: self.clusters.of(id.trust_domain()).into(),
+            dst_namespace: dst_namespace.into(),
+            dst_workload: dst_workload.into(),
+            dst_service: service.map_or_else(String::new, |s| s.name.clone()),
+            cluster: self.clusters.own().into(),
+        }
     }
 
     /// Counts a tunnel the inbound side refused.
@@ -232,27 +276,37 @@ impl ProxyMetrics {
         }))
     }
 
-    /// The HTTP series of requests from `source` to `destination` (outbound).
-    pub fn outbound_http(&self, source: &SpiffeId, destination: &SpiffeId) -> HttpSeries {
+    /// The HTTP series of requests from `source` to `endpoint` (outbound).
+    pub fn outbound_http(&self, source: &SpiffeId, endpoint: &Endpoint) -> HttpSeries {
         let mut cache = self.outbound_http.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(series) = cache.get(source).and_then(|d| d.get(destination)) {
+        if let Some(series) = cache
+            .get(source)
+            .and_then(|d| d.get(&endpoint.identity))
+            .and_then(|s| s.get(&endpoint.service))
+        {
             return series.clone();
         }
-        let series = self.http(&TcpLabels::outbound(source, destination));
-        // The cache holds the pairs with label sets of their own; the rest
-        // (counted as `other`) resolve their series each time.
-        if cache.values().map(HashMap::len).sum::<usize>() < self.max_label_sets {
+        let series = self.http(&self.outbound_labels(source, endpoint));
+        // The cache holds the destinations with label sets of their own; the
+        // rest (counted as `other`) resolve their series each time.
+        let cached: usize = cache
+            .values()
+            .flat_map(HashMap::values)
+            .map(HashMap::len)
+            .sum();
+        if cached < self.max_label_sets {
             cache
                 .entry(source.clone())
                 .or_default()
-                .insert(destination.clone(), series.clone());
+                .entry(endpoint.identity.clone())
+                .or_default()
+                .insert(endpoint.service.clone(), series.clone());
         }
         series
     }
 
     fn labelled(&self, labels: &TcpLabels) -> TcpLabels {
-        let mut labels = labels.clone();
-        labels.cluster = self.cluster.clone();
+        let labels = labels.clone();
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if peers.contains(&labels) {
             return labels;
@@ -328,14 +382,87 @@ impl ProxyMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::view::ServiceName;
+
+    fn service(namespace: &str, name: &str) -> Service {
+        Some(Arc::new(ServiceName {
+            namespace: namespace.into(),
+            name: name.into(),
+        }))
+    }
+
+    /// A pod of this cluster serving shop/web.
+    fn pod(identity: &SpiffeId) -> Endpoint {
+        Endpoint {
+            addr: "10.0.0.1:8080".parse().unwrap(),
+            identity: identity.clone(),
+            via: Via::NodeProxy("10.1.0.1:4143".parse().unwrap()),
+            weight: 1,
+            service: service("shop", "web"),
+        }
+    }
+
+    fn encode(metrics: &ProxyMetrics) -> String {
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    /// A call through west's gateway names west and its Service, not the
+    /// gateway; west's proxy names the caller's cluster from its identity.
+    #[test]
+    fn cross_cluster_calls_name_both_clusters_and_the_remote_service() {
+        let east = ProxyMetrics::new("east", "east.clusterset.local");
+        let client: SpiffeId = "spiffe://east.clusterset.local/ns/shop/sa/client"
+            .parse()
+            .unwrap();
+        let gateway = Endpoint {
+            addr: "10.201.0.11:4143".parse().unwrap(),
+            identity: "spiffe://west.clusterset.local/ns/strait-system/sa/strait-gateway"
+                .parse()
+                .unwrap(),
+            via: Via::Gateway {
+                service: "web.shop.svc.cluster.local".into(),
+                port: 80,
+            },
+            weight: 1,
+            service: service("shop", "web"),
+        };
+        east.outbound_http(&client, &gateway).request();
+        let text = encode(&east);
+        assert!(
+            text.contains(
+                r#"request_total{direction="outbound",src_cluster="east",src_namespace="shop",src_workload="client",dst_cluster="west",dst_namespace="shop",dst_workload="",dst_service="web",cluster="east"} 1"#
+            ),
+            "{text}"
+        );
+
+        let west = ProxyMetrics::new("west", "west.clusterset.local");
+        let web = LocalPod {
+            namespace: "shop".into(),
+            name: "web-0".into(),
+            service_account: "web".into(),
+        };
+        let labels = west.inbound_labels(&client, &web, Some("web.shop.svc.cluster.local"));
+        west.http(&labels).request();
+        let text = encode(&west);
+        assert!(
+            text.contains(
+                r#"request_total{direction="inbound",src_cluster="east",src_namespace="shop",src_workload="client",dst_cluster="west",dst_namespace="shop",dst_workload="web",dst_service="web",cluster="west"} 1"#
+            ),
+            "{text}"
+        );
+    }
 
     /// Series resolved once count like the families they came from: one
     /// series per status class that happened, retries and budget alike.
     #[test]
     fn http_series_count_into_their_families() {
-        let metrics = ProxyMetrics::new("east");
+        let metrics = ProxyMetrics::new("east", "cluster.local");
         let source: SpiffeId = "spiffe://cluster.local/ns/shop/sa/client".parse().unwrap();
-        let destination: SpiffeId = "spiffe://cluster.local/ns/shop/sa/web".parse().unwrap();
+        let destination = pod(&"spiffe://cluster.local/ns/shop/sa/web".parse().unwrap());
         let series = metrics.outbound_http(&source, &destination);
         for status in [200, 201, 503, 999] {
             series.request();
@@ -377,13 +504,13 @@ mod tests {
 
     #[test]
     fn peer_label_sets_past_the_bound_count_as_other() {
-        let metrics = ProxyMetrics::new("east").with_max_label_sets(2);
-        let destination: SpiffeId = "spiffe://west/ns/shop/sa/web".parse().unwrap();
+        let metrics = ProxyMetrics::new("east", "cluster.local").with_max_label_sets(2);
+        let destination = pod(&"spiffe://west/ns/shop/sa/web".parse().unwrap());
         for i in 0..5 {
             let source: SpiffeId = format!("spiffe://west/ns/shop/sa/c{i}").parse().unwrap();
             let series = metrics.outbound_http(&source, &destination);
             series.request();
-            metrics.tcp_open(&TcpLabels::outbound(&source, &destination));
+            metrics.tcp_open(&metrics.outbound_labels(&source, &destination));
         }
         let mut registry = Registry::default();
         metrics.register(&mut registry);

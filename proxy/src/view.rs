@@ -53,6 +53,16 @@ pub struct Endpoint {
     /// Its share of the traffic relative to the others (1 for a pod; a
     /// linked cluster's gateway: that cluster's ready endpoints).
     pub weight: u32,
+    /// The Service it serves (for a gateway, the remote one), as metrics
+    /// name the destination; `None` for a pod called by its address.
+    pub service: Option<Arc<ServiceName>>,
+}
+
+/// A Service by namespace and name (of whichever cluster serves it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
 }
 
 /// How a tunnel reaches an [`Endpoint`].
@@ -139,6 +149,28 @@ fn local(pod: &discovery::PodInfo) -> LocalPod {
 /// names the remote Service; the mirror's port is the remote one).
 /// Hand-written endpoints outside the mesh are not carried.
 fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
+    let local = destination.service.as_ref().map(|s| {
+        Arc::new(ServiceName {
+            namespace: s.namespace.clone(),
+            name: s.name.clone(),
+        })
+    });
+    // A remote Service's name, read once per name (one per destination,
+    // save a clusterset service's linked clusters naming theirs apart).
+    let mut remote_names: Vec<(String, Option<Arc<ServiceName>>)> = Vec::new();
+    let mut remote_name = |fqdn: &str| -> Option<Arc<ServiceName>> {
+        if let Some((_, name)) = remote_names.iter().find(|(f, _)| *f == fqdn) {
+            return name.clone();
+        }
+        let name = strait_mesh::names::service_of_fqdn(fqdn).map(|(namespace, name)| {
+            Arc::new(ServiceName {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            })
+        });
+        remote_names.push((fqdn.to_string(), name.clone()));
+        name
+    };
     destination
         .endpoints
         .iter()
@@ -150,6 +182,7 @@ fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
                 identity: identity.clone(),
                 via: Via::NodeProxy(*proxy),
                 weight: e.weight,
+                service: local.clone(),
             }),
             discovery::Route::Gateway {
                 gateway,
@@ -167,6 +200,7 @@ fn endpoints_of(destination: &discovery::Destination) -> Vec<Endpoint> {
                 (!remote.is_empty()).then(|| Endpoint {
                     addr: *gateway,
                     identity: identity.clone(),
+                    service: remote_name(&remote),
                     via: Via::Gateway {
                         service: remote,
                         port: destination.port.port,

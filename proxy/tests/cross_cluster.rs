@@ -36,6 +36,80 @@ async fn gateway_metrics(pod: &NetPod) -> String {
     .unwrap()
 }
 
+/// The calls above as each hop counted them: by cluster, with west's
+/// Service (not the gateway) as the destination.
+async fn cluster_labels_on_every_hop(east: &Mesh, west: &Mesh, gateway: &NetPod) {
+    let caller = [
+        "src_cluster=\"east\"",
+        "src_namespace=\"shop\"",
+        "src_workload=\"client\"",
+    ];
+    let to_web = [
+        "dst_cluster=\"west\"",
+        "dst_namespace=\"shop\"",
+        "dst_service=\"web\"",
+    ];
+    let with = |direction: &'static str, extra: &[&'static str]| -> Vec<&'static str> {
+        let mut labels = vec![direction];
+        labels.extend(caller);
+        labels.extend(to_web);
+        labels.extend(extra);
+        labels
+    };
+    let node_metrics = |mesh: &Mesh, i: usize| {
+        let ip = mesh.topology.node(i).unwrap().ip();
+        async move {
+            http_get(std::net::SocketAddr::new(IpAddr::V4(ip), 4191), "/metrics")
+                .await
+                .unwrap()
+        }
+    };
+    // East's node proxy (the caller's node): HTTP/1 and h2, and the CONNECT.
+    let e = node_metrics(east, 0).await;
+    let outbound = with(
+        "direction=\"outbound\"",
+        &["dst_workload=\"\"", "cluster=\"east\""],
+    );
+    assert!(
+        metric_sum(&e, "request_total", &outbound) >= 2.0,
+        "east counts its requests to west's web: {e}"
+    );
+    assert!(
+        metric_sum(&e, "response_latency_seconds_count", &outbound) >= 2.0,
+        "{e}"
+    );
+    assert!(metric_sum(&e, "tcp_open_total", &outbound) >= 1.0, "{e}");
+    // West's node proxies: the proven east caller, by the Service it named.
+    let mut inbound = 0.0;
+    let mut texts = String::new();
+    for i in 0..2 {
+        let w = node_metrics(west, i).await;
+        inbound += metric_sum(
+            &w,
+            "request_total",
+            &with("direction=\"inbound\"", &["cluster=\"west\""]),
+        );
+        texts.push_str(&w);
+    }
+    assert!(inbound >= 2.0, "west counts east's requests: {texts}");
+    // The gateway: streams by source cluster, and the lifetime of each
+    // that ended (the CONNECT's, once its client hung up).
+    let streams = with("transport=\"quic\"", &[]);
+    eventually("the gateway counts east's streams", WAIT, || async {
+        let m = gateway_metrics(gateway).await;
+        let (opened, ended) = (
+            metric_sum(&m, "gateway_streams_total", &streams),
+            metric_sum(&m, "gateway_stream_duration_seconds_count", &streams),
+        );
+        if opened >= 3.0 && ended >= 1.0 {
+            Ok(())
+        } else {
+            Err(format!("{opened} streams, {ended} ended: {m}"))
+        }
+    })
+    .await;
+}
+
 fn text(out: &Output) -> String {
     format!(
         "{}{}",
@@ -209,6 +283,7 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
         0.0,
         "no fallback while UDP flows: {m}"
     );
+    cluster_labels_on_every_hop(&east, &west, &gw_pod).await;
 
     // 2. Nothing of west but the gateway's port is reachable from east.
     assert!(

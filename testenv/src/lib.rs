@@ -33,6 +33,7 @@ pub mod kubeconfig;
 pub mod net;
 pub mod pki;
 pub mod process;
+pub mod prometheus;
 pub mod realnode;
 pub mod stack;
 pub mod topology;

@@ -127,7 +127,7 @@ pub async fn accept<S>(
     pods: &dyn LocalPods,
     claimed: &SpiffeId,
     pod: SocketAddr,
-) -> Result<(tokio_rustls::server::TlsStream<S>, SpiffeId, Protocol), Failure>
+) -> Result<Accepted<S>, Failure>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -160,7 +160,27 @@ where
         .write_to(&mut inner)
         .await
         .map_err(|e| format!("answering {proven}: {e}"))?;
-    Ok((inner, proven, header.protocol))
+    let service = match header.target {
+        Target::Service { fqdn, .. } => Some(fqdn.as_str().to_string()),
+        Target::Pod { .. } => None,
+    };
+    Ok(Accepted {
+        inner,
+        proven,
+        protocol: header.protocol,
+        service,
+    })
+}
+
+/// An end-to-end session the destination admitted.
+pub struct Accepted<S> {
+    /// The session inside the stream, as the target pod.
+    pub inner: tokio_rustls::server::TlsStream<S>,
+    /// The caller, proven by its certificate.
+    pub proven: SpiffeId,
+    pub protocol: Protocol,
+    /// The Service the caller named (its FQDN).
+    pub service: Option<String>,
 }
 
 #[cfg(test)]

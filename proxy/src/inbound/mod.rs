@@ -170,7 +170,7 @@ impl Inbound {
                 let pod_addr = upstream.peer_addr().map_err(|e| e.to_string())?;
                 let accepted =
                     end_to_end::accept(tls, config, self.pods.as_ref(), &caller, pod_addr).await;
-                let (inner, proven, protocol) = match accepted {
+                let session = match accepted {
                     Ok(session) => session,
                     Err(end_to_end::Failure::Refused(refusal)) => {
                         self.metrics.inbound_refused(refusal.reason());
@@ -182,12 +182,18 @@ impl Inbound {
                     Err(end_to_end::Failure::Broken(e)) => return Err(e),
                 };
                 self.metrics.end_to_end_proven();
-                self.deliver(inner, upstream, protocol, &proven, &pod, drain)
+                let labels = self.metrics.inbound_labels(
+                    &session.proven,
+                    &pod,
+                    session.service.as_deref(),
+                );
+                self.deliver(session.inner, upstream, session.protocol, &session.proven, labels, drain)
                     .await
             })
             .await;
         }
-        self.deliver(tls, upstream, header.protocol, &caller, &pod, drain)
+        let labels = self.metrics.inbound_labels(&caller, &pod, None);
+        self.deliver(tls, upstream, header.protocol, &caller, labels, drain)
             .await
     }
 
@@ -198,14 +204,13 @@ impl Inbound {
         upstream: TcpStream,
         protocol: Protocol,
         caller: &SpiffeId,
-        pod: &LocalPod,
+        labels: TcpLabels,
         drain: Drain,
     ) -> Result<(), String>
     where
         T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let caller = caller.clone();
-        let labels = TcpLabels::inbound(&caller, pod);
         self.metrics.tcp_open(&labels);
         let result = match protocol {
             // The sender detected HTTP (or was told by its client): no second

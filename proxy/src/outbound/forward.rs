@@ -192,7 +192,7 @@ impl Outbound {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "no ready endpoint".into());
             };
             tried.push(endpoint.addr);
-            let series = self.metrics.outbound_http(&source, &endpoint.identity);
+            let series = self.metrics.outbound_http(&source, &endpoint);
             // HTTP/2 keeps the client's URI (it carries `:authority`); HTTP/1
             // is sent in origin form to the endpoint's own pool (the Host
             // header still names the service).

@@ -316,7 +316,9 @@ impl Outbound {
     ) -> Response<Body> {
         match self.open_any(&caller, &endpoints, Protocol::Opaque).await {
             Ok((tunnel, endpoint)) => {
-                let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+                let labels = self
+                    .metrics
+                    .outbound_labels(&caller.identity.id(), &endpoint);
                 let metrics = self.metrics.clone();
                 let guard = drain.guard();
                 tokio::spawn(async move {

@@ -329,6 +329,7 @@ mod tests {
                 identity: SpiffeId::new("cluster.local", "shop", "web").unwrap(),
                 via,
                 weight: 1,
+                service: None,
             },
         }
     }

@@ -17,7 +17,6 @@ use tokio::net::TcpStream;
 use super::{Outbound, http1_server, splice, text};
 use crate::detect::{DEFAULT_DETECT_TIMEOUT, OpaquePorts, PrefixedIo, detect};
 use crate::drain::Drain;
-use crate::metrics::TcpLabels;
 use crate::view::ResolveError;
 
 impl Outbound {
@@ -76,7 +75,9 @@ impl Outbound {
                 .await
             {
                 Ok((tunnel, endpoint)) => {
-                    let labels = TcpLabels::outbound(&caller.identity.id(), &endpoint.identity);
+                    let labels = self
+                        .metrics
+                        .outbound_labels(&caller.identity.id(), &endpoint);
                     splice(&self.metrics, &labels, io, tunnel).await;
                 }
                 Err(e) => tracing::debug!(

@@ -148,7 +148,8 @@ impl ClusterConfig {
 /// Ports handed out in this process, so two clusters of one test never draw the same one.
 static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
 
-fn free_port(ip: IpAddr) -> std::io::Result<u16> {
+/// A free TCP port on `ip`, never one handed out before in this process.
+pub fn free_port(ip: IpAddr) -> std::io::Result<u16> {
     let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..64 {
         let port = TcpListener::bind(SocketAddr::new(ip, 0))?
