@@ -129,6 +129,28 @@ fn the_demo_calls_west_from_east_through_the_gateway_and_cleans_up() {
         "{out}"
     );
 
+    // strait stat on both sides: east's calls to west's web as east's node
+    // proxies and as west's saw them, under the demo's 20 calls a second.
+    for (command, from) in [
+        ("$ strait stat --window 3s --context east", "*"),
+        (
+            "$ strait stat --window 3s --from east --context west",
+            "east",
+        ),
+    ] {
+        let at = out
+            .find(command)
+            .unwrap_or_else(|| panic!("no `{command}`:\n{out}"));
+        let row: Vec<&str> = out[at..]
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|c| c.len() >= 9 && c[..4] == ["shop", "web", "west", from])
+            .unwrap_or_else(|| panic!("`{command}` shows no row for shop/web in west:\n{out}"));
+        let rps: f64 = row[4].parse().unwrap_or(0.0);
+        assert!(rps > 0.0, "`{command}`: {row:?}");
+        assert_eq!(row[5], "100.00%", "`{command}`: {row:?}");
+    }
+
     // Every hop counted the request.
     for needle in [
         "request_total{direction=outbound, src=shop/client}",

@@ -153,6 +153,38 @@ impl Demo {
             .context("run curl in the caller pod's network namespace (package curl)")
     }
 
+    /// East's caller pod calling web-west `rate` times a second (for up to a
+    /// minute) until the returned curl is killed: traffic for `strait stat`.
+    pub(super) async fn calls_in_background(
+        &self,
+        rate: u32,
+    ) -> anyhow::Result<std::process::Child> {
+        let pid = self.east().pod_process(NAMESPACE, CALLER_SA).await?;
+        let proxy = format!("http://{}:4140", self.node_proxy_service().await?);
+        let mut curl = Command::new("nsenter");
+        // nsenter execs curl: the child is curl itself.
+        curl.arg(format!("--net=/proc/{pid}/ns/net")).args([
+            "--",
+            "curl",
+            "-sS",
+            "-x",
+            &proxy,
+            "--rate",
+            &format!("{rate}/s"),
+        ]);
+        for i in 0..rate * 60 {
+            curl.args([
+                "-o",
+                "/dev/null",
+                &format!("http://{MIRROR}.{NAMESPACE}.svc.cluster.local/stat/{i}"),
+            ]);
+        }
+        curl.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("run curl in the caller pod's network namespace (package curl)")
+    }
+
     pub(super) async fn traced_request(&self, gateway_ip: Ipv4Addr) -> anyhow::Result<()> {
         let caller = PodInfo::find(self.east(), NAMESPACE, "")
             .await?

@@ -394,6 +394,19 @@ impl Demo {
         ));
         self.latency(options.requests).await?;
 
+        self.narrator.step(
+            "strait stat: golden metrics from each side's node proxies while east's pod calls web-west (20/s)",
+        );
+        let mut calls = self.calls_in_background(20).await?;
+        let stats = self
+            .strait_report(&["stat", "--window", "3s"])
+            .and_then(|()| {
+                self.strait_report_in("west", &["stat", "--window", "3s", "--from", "east"])
+            });
+        let _ = calls.kill();
+        let _ = calls.wait();
+        stats?;
+
         self.narrator
             .step("strait check and strait gateways (east)");
         // The mirror controller's first probes are seconds old: let check wait for them.

@@ -146,8 +146,13 @@ impl Demo {
     /// Runs `strait <args…> --context east`, prints what it says, and fails
     /// on a non-zero exit (after printing it).
     pub(super) fn strait_report(&self, args: &[&str]) -> anyhow::Result<()> {
+        self.strait_report_in("east", args)
+    }
+
+    /// `strait ARGS --context CONTEXT`, shown with its output; fails when it does.
+    pub(super) fn strait_report_in(&self, context: &str, args: &[&str]) -> anyhow::Result<()> {
         let mut all = args.to_vec();
-        all.extend(["--context", "east"]);
+        all.extend(["--context", context]);
         say(format!("$ strait {}", all.join(" ")));
         let out = self
             .command("strait")
