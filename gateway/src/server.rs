@@ -41,6 +41,10 @@ const MAX_UNVALIDATED_HANDSHAKES: usize = 256;
 /// How long a TCP + TLS handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a QUIC handshake may take from its first packet (its idle
+/// timeout alone stretches with retransmission back-off).
+const QUIC_HANDSHAKE_TIMEOUT: Duration = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StreamLabels {
     /// `quic` or `tcp`.
@@ -291,12 +295,21 @@ impl Gateway {
             let handshaking = handshaking.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let accepted = incoming.await;
+                // A peer that never finishes its handshake is dropped (and
+                // the connection closed) at the time-out, whatever its
+                // retransmission timers would allow.
+                let accepted = tokio::time::timeout(QUIC_HANDSHAKE_TIMEOUT, incoming).await;
                 handshaking.fetch_sub(1, Ordering::AcqRel);
                 let connection = match accepted {
-                    Ok(c) => c,
-                    Err(e) => {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
                         tracing::debug!("QUIC handshake: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(
+                            "QUIC handshake: not done within {QUIC_HANDSHAKE_TIMEOUT:?}"
+                        );
                         return;
                     }
                 };

@@ -299,14 +299,29 @@ async fn hostile_peers_are_closed_at_their_timeouts_in_bounded_memory_while_traf
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let flood_took = flood_started.elapsed();
+        // When the gateway is down to its callers' QUIC connections again
+        // (the prober's and the silent streams' one), from the flood's end.
+        let half_open_closed = tokio::spawn(async move {
+            let ended = Instant::now();
+            let mut seen = Vec::new();
+            while ended.elapsed() < Duration::from_secs(120) {
+                let held = gauge(gw_ip, "quic").await;
+                seen.push((ended.elapsed().as_secs(), held));
+                if held <= 2.0 {
+                    return (Some(ended.elapsed()), seen);
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            (None, seen)
+        });
         let streams = silent_streams(&bundle, &cert, &gateway_id, gw_addr).await;
         eprintln!(
             "MEASURED hostile peers: {HOSTILE} + {HOSTILE} silent TCP opened in {tcp_opened:?} (then held: gateway {tcp_held}, inbound {inbound_held}); \
              {HOSTILE} QUIC handshakes sent in {flood_took:?} (gateway held at most {quic_held} at once); {SILENT_STREAMS} header-less streams"
         );
-        (opened, gw_silent, inbound_silent, streams)
+        (opened, gw_silent, inbound_silent, streams, half_open_closed)
     };
-    let (busy_probes, (opened, gw_silent, inbound_silent, streams)) = tokio::join!(
+    let (busy_probes, (opened, gw_silent, inbound_silent, streams, half_open_closed)) = tokio::join!(
         probe_loop(&prober, gw_addr, &gateway_id, Duration::from_secs(6)),
         hostile,
     );
@@ -372,6 +387,12 @@ async fn hostile_peers_are_closed_at_their_timeouts_in_bounded_memory_while_traf
         },
     )
     .await;
+    let (closed_in, seen) = half_open_closed.await.unwrap();
+    // Once a second: (seconds after the flood ended, QUIC connections held).
+    let trace: Vec<_> = seen.iter().step_by(4).collect();
+    eprintln!(
+        "MEASURED half-open QUIC handshakes all closed {closed_in:?} after the flood ended (held: {trace:?})"
+    );
     let text = strait_testenv::http_get(SocketAddr::new(gw_ip, 4191), "/metrics")
         .await
         .unwrap();
