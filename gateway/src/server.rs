@@ -325,19 +325,27 @@ impl Gateway {
                         transport: "quic".into(),
                     })
                     .inc();
-                loop {
-                    match connection.accept_bi().await {
-                        Ok((send, recv)) => {
-                            let (this, peer) = (this.clone(), peer.clone());
-                            tokio::spawn(async move {
-                                let stream = tokio::io::join(recv, send);
-                                this.stream(stream, peer, "quic").await;
-                            });
+                let streams = async {
+                    loop {
+                        match connection.accept_bi().await {
+                            Ok((send, recv)) => {
+                                let (this, peer) = (this.clone(), peer.clone());
+                                tokio::spawn(async move {
+                                    let stream = tokio::io::join(recv, send);
+                                    this.stream(stream, peer, "quic").await;
+                                });
+                            }
+                            Err(e) => {
+                                tracing::debug!(%remote, "QUIC connection ended: {e}");
+                                return;
+                            }
                         }
-                        Err(e) => {
-                            tracing::debug!(%remote, "QUIC connection ended: {e}");
-                            return;
-                        }
+                    }
+                };
+                tokio::select! {
+                    () = streams => {}
+                    () = close_when_silent(&connection) => {
+                        tracing::debug!(%remote, "QUIC peer silent for {:?}: closed", strait_mesh::tunnel::quic::IDLE_TIMEOUT);
                     }
                 }
             });
@@ -676,6 +684,27 @@ impl Gateway {
         )?);
         configs.insert(identity.clone(), config.clone());
         Ok(config)
+    }
+}
+
+/// Closes `connection` once nothing arrived from its peer for the idle
+/// timeout, and returns. QUIC's own idle timeout is at least three probe
+/// timeouts (RFC 9000 §10.1), which an RTT inflated by load (a handshake
+/// flood) stretches to tens of seconds; a live peer sends a keep-alive every
+/// second, so silence this long means it is gone or hostile.
+async fn close_when_silent(connection: &quinn::Connection) {
+    let idle = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
+    let mut received = connection.stats().udp_rx.datagrams;
+    let mut heard = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = connection.stats().udp_rx.datagrams;
+        if now != received {
+            (received, heard) = (now, tokio::time::Instant::now());
+        } else if heard.elapsed() >= idle {
+            connection.close(0u32.into(), b"idle");
+            return;
+        }
     }
 }
 
