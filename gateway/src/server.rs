@@ -41,8 +41,9 @@ const MAX_UNVALIDATED_HANDSHAKES: usize = 256;
 /// How long a TCP + TLS handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a QUIC handshake may take from its first packet (its idle
-/// timeout alone stretches with retransmission back-off).
+/// How long a QUIC handshake may take once accepted (then the connection is
+/// dropped, whatever its timers would allow; after it, [`close_when_silent`]
+/// bounds a silent peer).
 const QUIC_HANDSHAKE_TIMEOUT: Duration = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
