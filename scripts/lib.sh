@@ -16,8 +16,9 @@ APT_PACKAGES=(procps iproute2 util-linux curl tcpdump iptables iperf3 socat prox
   containerd runc containernetworking-plugins conntrack gcc libc6-dev
   # The MCS conformance suite's pod images (testenv/src/images/conformance.rs; socat is above).
   busybox-static netcat-openbsd bind9-dnsutils
-  # deploy/observability/'s scrape configuration and dashboard, checked against a real Prometheus.
-  prometheus)
+  # deploy/observability/'s scrape configuration and dashboard, checked against a real Prometheus;
+  # `strait dashboard`, checked in a real headless browser over WebDriver.
+  prometheus chromium chromium-driver)
 
 bootstrap() {
   command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) 1.89 or newer"

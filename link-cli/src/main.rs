@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod check;
+mod dashboard;
 mod export;
 mod gateways;
 mod identity;
@@ -51,6 +52,9 @@ enum Command {
     /// Golden metrics per Service (rate, success, latency), from this cluster's node proxies:
     /// calls its pods make, locally and to linked clusters, and calls into it from them.
     Stat(stat::StatArgs),
+    /// A web page on localhost with the clusters, links, gateways and Services,
+    /// and the golden metrics between clusters, live: `strait dashboard --context east`.
+    Dashboard(dashboard::DashboardArgs),
     /// Export a Service to linked clusters: `strait export svc/web -n shop`.
     Export(export::ExportArgs),
     /// Stop exporting a Service: `strait unexport svc/web -n shop`.
@@ -89,6 +93,9 @@ fn main() -> std::process::ExitCode {
         Command::Stat(args) => runtime()
             .and_then(|rt| rt.block_on(stat::stat(args)))
             .map(|out| print!("{out}")),
+        Command::Dashboard(args) => {
+            runtime().and_then(|rt| rt.block_on(dashboard::dashboard(args)))
+        }
         Command::Export(args) => runtime()
             .and_then(|rt| rt.block_on(export::export(args)))
             .map(|out| print!("{out}")),

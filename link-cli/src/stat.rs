@@ -65,7 +65,7 @@ pub struct Counts {
 }
 
 impl Counts {
-    fn add(&mut self, other: &Counts) {
+    pub(crate) fn add(&mut self, other: &Counts) {
         self.requests += other.requests;
         self.responses += other.responses;
         self.failures += other.failures;
@@ -76,7 +76,7 @@ impl Counts {
 
     /// `self - before`: what happened between two reads (a series that
     /// restarted from zero, a proxy replaced, counts from zero).
-    fn since(&self, before: &Counts) -> Counts {
+    pub(crate) fn since(&self, before: &Counts) -> Counts {
         let sub = |a: f64, b: f64| if a >= b { a - b } else { a };
         Counts {
             requests: sub(self.requests, before.requests),
@@ -258,17 +258,39 @@ pub fn table(rows: &[StatRow]) -> String {
     crate::table::render(&lines)
 }
 
+/// Calls counted so far, by (Service, caller cluster).
+pub type Totals = HashMap<(ServiceKey, String), Counts>;
+
 /// One read of every node proxy of the cluster, summed.
-async fn read(client: &Client) -> anyhow::Result<HashMap<(ServiceKey, String), Counts>> {
+async fn read(client: &Client) -> anyhow::Result<Totals> {
     let pods = Api::<Pod>::namespaced(client.clone(), SYSTEM_NAMESPACE)
         .list(&ListParams::default().labels(&format!("app.kubernetes.io/name={NODE_PROXY_DAEMONSET}")))
         .await
         .map_err(|e| anyhow::anyhow!("listing the node proxies in {SYSTEM_NAMESPACE}: {e} (is Strait installed? `strait check` says)"))?;
+    read_proxies(client, &pods.items)
+        .await
+        .map(|(total, _)| total)
+}
+
+/// Whether `pod` is a Running node proxy.
+pub(crate) fn is_node_proxy(pod: &Pod) -> bool {
+    let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+    running
+        && pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("app.kubernetes.io/name"))
+            .map(String::as_str)
+            == Some(NODE_PROXY_DAEMONSET)
+}
+
+/// One read of each Running node proxy of `pods`, summed, and how many answered.
+pub(crate) async fn read_proxies(client: &Client, pods: &[Pod]) -> anyhow::Result<(Totals, usize)> {
     let mut total: HashMap<(ServiceKey, String), Counts> = HashMap::new();
     let mut read = 0;
-    for pod in &pods.items {
-        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-        let Some(name) = pod.metadata.name.as_deref().filter(|_| running) else {
+    for pod in pods {
+        let Some(name) = pod.metadata.name.as_deref().filter(|_| is_node_proxy(pod)) else {
             continue;
         };
         let path = format!("/api/v1/namespaces/{SYSTEM_NAMESPACE}/pods/{name}:4191/proxy/metrics");
@@ -291,7 +313,7 @@ async fn read(client: &Client) -> anyhow::Result<HashMap<(ServiceKey, String), C
             "no Running node proxy answered in {SYSTEM_NAMESPACE} (`kubectl -n {SYSTEM_NAMESPACE} get pods -l app.kubernetes.io/name={NODE_PROXY_DAEMONSET}`)"
         );
     }
-    Ok(total)
+    Ok((total, read))
 }
 
 pub async fn stat(args: StatArgs) -> anyhow::Result<String> {

@@ -48,60 +48,15 @@ fn get(kubeconfig: &Path, url: &str) -> (Result<String, String>, Duration) {
     }
 }
 
-/// A real Prometheus with the shipped scrape configuration, one job per
-/// cluster, scraping every second. Debian's Prometheus has no Kubernetes
-/// discovery: each job's pods (of the namespaces the shipped discovery
-/// names) are discovered as it would, into a file the job reads instead;
-/// the shipped relabeling is used as it is.
+/// A real Prometheus with the shipped scrape configuration scraping both
+/// clusters every second (see [`strait_testenv::prometheus::scraping`]).
 async fn prometheus_scraping(east: &Path, west: &Path) -> (Prometheus, tempfile::TempDir) {
-    let shipped: serde_yaml::Value =
-        serde_yaml::from_str(include_str!("../../deploy/observability/prometheus.yml")).unwrap();
-    let job = shipped["scrape_configs"][0].clone();
-    let discovery = &job["kubernetes_sd_configs"][0];
-    assert_eq!(discovery["role"], "pod", "{discovery:?}");
-    let namespaces: Vec<String> = discovery["namespaces"]["names"]
-        .as_sequence()
-        .expect("the shipped discovery names its namespaces")
-        .iter()
-        .map(|n| n.as_str().unwrap().to_string())
-        .collect();
-    let dir = tempfile::Builder::new()
-        .prefix("strait-sd-")
-        .tempdir()
-        .unwrap();
-    let mut jobs = Vec::new();
-    for (cluster, kubeconfig) in [("east", east), ("west", west)] {
-        let mut items = Vec::new();
-        for namespace in &namespaces {
-            let listed = kubectl(
-                kubeconfig,
-                &["get", "pods", "-n", namespace, "-o", "json"],
-                None,
-            );
-            let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
-            items.extend(listed["items"].as_array().cloned().unwrap_or_default());
-        }
-        let targets = strait_testenv::prometheus::pod_targets(&serde_json::json!({"items": items}));
-        let file = dir.path().join(format!("{cluster}.json"));
-        std::fs::write(&file, targets.to_string()).unwrap();
-        let mut job = job.clone();
-        job["job_name"] = format!("strait-{cluster}").into();
-        let mapping = job.as_mapping_mut().unwrap();
-        mapping.remove("kubernetes_sd_configs");
-        mapping.insert(
-            "file_sd_configs".into(),
-            serde_yaml::to_value(serde_json::json!([{"files": [file.display().to_string()]}]))
-                .unwrap(),
-        );
-        jobs.push(job);
-    }
-    let mut config = shipped;
-    config["global"]["scrape_interval"] = "1s".into();
-    config["scrape_configs"] = jobs.into();
-    let prometheus = Prometheus::start(&serde_yaml::to_string(&config).unwrap())
-        .await
-        .expect("prometheus with deploy/observability/prometheus.yml");
-    (prometheus, dir)
+    strait_testenv::prometheus::scraping(
+        include_str!("../../deploy/observability/prometheus.yml"),
+        &[("east", east), ("west", west)],
+    )
+    .await
+    .expect("prometheus with deploy/observability/prometheus.yml")
 }
 
 /// Every Strait component of both clusters is a healthy target, and every

@@ -16,7 +16,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
             .await
             .map_err(|e| format!("connecting to {addr}: {e}"))?;
         s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes(),
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
         )
         .await
         .map_err(|e| format!("GET {path} on {addr}: {e}"))?;

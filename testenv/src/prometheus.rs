@@ -68,6 +68,11 @@ impl Prometheus {
         }
     }
 
+    /// Its base URL (`http://127.0.0.1:PORT`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
     /// Where its configuration, data and log are.
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -212,6 +217,63 @@ fn percent_encode(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// A Prometheus with `shipped` (a prometheus.yml whose first job discovers
+/// pods with `kubernetes_sd_configs`, `role: pod`), one job per cluster
+/// (`strait-<name>`), scraping every second. Debian's Prometheus has no
+/// Kubernetes discovery: each cluster's pods, of the namespaces the shipped
+/// discovery names, are discovered as it would ([`pod_targets`]) into a file
+/// the job reads instead; the shipped relabeling is used as it is. The
+/// directory holds the discovery files.
+pub async fn scraping(
+    shipped: &str,
+    clusters: &[(&str, &Path)],
+) -> anyhow::Result<(Prometheus, tempfile::TempDir)> {
+    let shipped: serde_yaml::Value = serde_yaml::from_str(shipped)?;
+    let job = shipped["scrape_configs"][0].clone();
+    let discovery = &job["kubernetes_sd_configs"][0];
+    anyhow::ensure!(
+        discovery["role"] == "pod",
+        "not pod discovery: {discovery:?}"
+    );
+    let namespaces: Vec<String> = discovery["namespaces"]["names"]
+        .as_sequence()
+        .context("the shipped discovery names its namespaces")?
+        .iter()
+        .filter_map(|n| n.as_str().map(str::to_string))
+        .collect();
+    let dir = tempfile::Builder::new().prefix("strait-sd-").tempdir()?;
+    let mut jobs = Vec::new();
+    for (cluster, kubeconfig) in clusters {
+        let mut items = Vec::new();
+        for namespace in &namespaces {
+            let listed = crate::kubectl(
+                kubeconfig,
+                &["get", "pods", "-n", namespace, "-o", "json"],
+                None,
+            );
+            let listed: serde_json::Value = serde_json::from_str(&listed)?;
+            items.extend(listed["items"].as_array().cloned().unwrap_or_default());
+        }
+        let targets = pod_targets(&serde_json::json!({"items": items}));
+        let file = dir.path().join(format!("{cluster}.json"));
+        std::fs::write(&file, targets.to_string())?;
+        let mut job = job.clone();
+        job["job_name"] = format!("strait-{cluster}").into();
+        let mapping = job.as_mapping_mut().context("a job is a mapping")?;
+        mapping.remove("kubernetes_sd_configs");
+        mapping.insert(
+            "file_sd_configs".into(),
+            serde_yaml::to_value(serde_json::json!([{"files": [file.display().to_string()]}]))?,
+        );
+        jobs.push(job);
+    }
+    let mut config = shipped;
+    config["global"]["scrape_interval"] = "1s".into();
+    config["scrape_configs"] = jobs.into();
+    let prometheus = Prometheus::start(&serde_yaml::to_string(&config)?).await?;
+    Ok((prometheus, dir))
 }
 
 #[cfg(test)]

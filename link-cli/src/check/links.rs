@@ -15,7 +15,7 @@ use strait_mesh::identity::certs;
 use strait_mesh::link::{Link, LinkSpec, LinkStatus, TRUST_ANCHORS_CONFIGMAP, selector_query};
 
 use super::local::now;
-use super::pure::{Level, judge_token, jwt_times};
+use super::pure::{Level, bearer_token, judge_token, jwt_times};
 use super::{CheckResult, SYSTEM_NAMESPACE, fetch};
 use crate::link::LINK_NAMESPACE;
 
@@ -222,11 +222,7 @@ async fn credentials(
         ));
         return None;
     }
-    // Read from the YAML itself: kube keeps the token behind a secrecy wrapper.
-    let token = serde_yaml::from_str::<serde_yaml::Value>(&text)
-        .ok()
-        .and_then(|v| v["users"][0]["user"]["token"].as_str().map(str::to_string));
-    match token {
+    match bearer_token(&text) {
         None => out.push(CheckResult::warn(
             check,
             format!("{LINK_NAMESPACE}/{secret_name} authenticates without a bearer token, so its expiry is unknown"),

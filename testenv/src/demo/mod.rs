@@ -464,6 +464,10 @@ impl Demo {
             );
         }
         println!(
+            "  {} dashboard --context east   # then open http://localhost:8084",
+            self.binaries.path("strait").display()
+        );
+        println!(
             "  {} unlink --context east --target-context west --cluster-name west",
             self.binaries.path("strait").display()
         );
