@@ -19,8 +19,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use strait_testenv::installed::{
-    InstalledMesh, app_manifests, apply, client_manifests, get_from_app, get_from_client,
-    kubectl_until, proxy_service_ip, wait_ready, web_manifests,
+    InstalledMesh, app_manifests, apply, get_from_app, get_from_client, proxy_service_ip,
+    wait_ready,
 };
 use strait_testenv::net::root_or_skip;
 use strait_testenv::prometheus::Prometheus;
@@ -282,29 +282,9 @@ async fn east_calls_west_through_installed_strait() {
     let east = mesh.east.cluster().kubeconfig_path();
     let west = mesh.west.cluster().kubeconfig_path();
 
-    apply(&west, &web_manifests(2)).unwrap();
-    apply(&east, &client_manifests()).unwrap();
-    wait_ready(&west, "shop", "deploy/web").unwrap();
-    wait_ready(&east, "shop", "deploy/client").unwrap();
-    mesh.strait(&[
-        "export",
-        "svc/web",
-        "-n",
-        "shop",
-        "--kubeconfig",
-        &west.display().to_string(),
-        "--context",
-        "west",
-    ])
-    .unwrap();
-    // The mirror the controller (a pod in east) writes from west's API,
-    // which it watches across the WAN.
-    kubectl_until(
-        &east,
-        &["get", "svc", "-n", "shop", "web-west"],
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    // West's web exported; the mirror the controller (a pod in east) writes
+    // from west's API, which it watches across the WAN.
+    mesh.serve_web_to_east(2).unwrap();
 
     // 1. HTTP/1 through the gateway over QUIC, with the caller's identity.
     let took = until_answered("first", &east, &west, Duration::from_secs(60), |m| {

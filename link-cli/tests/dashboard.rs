@@ -15,10 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use strait_testenv::installed::{
-    InstalledMesh, apply, client_manifests, get_from_client, kubectl_until, wait_ready,
-    web_manifests,
-};
+use strait_testenv::installed::{InstalledMesh, get_from_client};
 use strait_testenv::net::root_or_skip;
 use strait_testenv::wait::eventually;
 use strait_testenv::{http_get, kubectl};
@@ -200,6 +197,22 @@ async fn link_row(page: &Client) -> Result<(String, String), String> {
     Ok((alive, row.text().await.map_err(|e| e.to_string())?))
 }
 
+/// Scales west's gateway Deployment to `replicas`.
+fn scale_gateway(west: &Path, replicas: &str) {
+    kubectl(
+        west,
+        &[
+            "scale",
+            "deploy",
+            "-n",
+            "strait-system",
+            "strait-gateway",
+            &format!("--replicas={replicas}"),
+        ],
+        None,
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_in_a_real_browser_shows_the_clusterset() {
     if !root_or_skip("dashboard_in_a_real_browser_shows_the_clusterset") {
@@ -211,25 +224,7 @@ async fn dashboard_in_a_real_browser_shows_the_clusterset() {
         .expect("Strait installed in two real-node clusters");
     let east = mesh.east.cluster().kubeconfig_path();
     let west = mesh.west.cluster().kubeconfig_path();
-    apply(&west, &web_manifests(1)).unwrap();
-    apply(&east, &client_manifests()).unwrap();
-    wait_ready(&west, "shop", "deploy/web").unwrap();
-    wait_ready(&east, "shop", "deploy/client").unwrap();
-    mesh.strait(&[
-        "export",
-        "svc/web",
-        "-n",
-        "shop",
-        "--kubeconfig",
-        &west.display().to_string(),
-    ])
-    .unwrap();
-    kubectl_until(
-        &east,
-        &["get", "svc", "-n", "shop", "web-west"],
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    mesh.serve_web_to_east(1).unwrap();
     let (stop, calls) = traffic(&east);
 
     let (_dashboard, url) = dashboard(strait, &east, &[]).await;
@@ -362,18 +357,7 @@ async fn dashboard_in_a_real_browser_shows_the_clusterset() {
     for pod in pods.split_whitespace() {
         pids.push(mesh.west.pod_process("strait-system", pod).await.unwrap());
     }
-    kubectl(
-        &west,
-        &[
-            "scale",
-            "deploy",
-            "-n",
-            "strait-system",
-            "strait-gateway",
-            "--replicas=0",
-        ],
-        None,
-    );
+    scale_gateway(&west, "0");
     let killed = Instant::now();
     for pid in &pids {
         let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
@@ -417,18 +401,7 @@ async fn dashboard_in_a_real_browser_shows_the_clusterset() {
         "the link turned red after {down:?}, beyond the probe's failure window {window:?} + the refreshes ({bound:?})"
     );
 
-    kubectl(
-        &west,
-        &[
-            "scale",
-            "deploy",
-            "-n",
-            "strait-system",
-            "strait-gateway",
-            &format!("--replicas={}", replicas.trim()),
-        ],
-        None,
-    );
+    scale_gateway(&west, replicas.trim());
     let up = Instant::now();
     eventually(
         "the page shows the link alive again",

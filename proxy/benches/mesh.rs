@@ -245,10 +245,16 @@ async fn main() {
                     .join(" + "),
             )
         };
+        let saturated = if r.report["saturated"] == true {
+            "!"
+        } else {
+            ""
+        };
         println!(
-            "{:<26} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>11} {:>15} {:>8.1} {:>6} {:>6.1}",
+            "{:<26} {:>8.0}{:1} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>11} {:>15} {:>8.1} {:>6} {:>6.1}",
             r.label,
             r.report["achieved_rps"].as_f64().unwrap_or(0.0),
+            saturated,
             r.ms("p50_ms"),
             r.ms("p99_ms"),
             r.ms("p999_ms"),
@@ -261,12 +267,44 @@ async fn main() {
             r.machine.steal
         );
     }
+    if runs.iter().any(|r| r.report["saturated"] == true) {
+        println!(
+            "! saturated: the path answered under 95 % of the asked rate within the window; its latencies are a queue's"
+        );
+    }
+    println!(
+        "threads: {} per haproxy (nbthread), {} workers per node proxy",
+        haproxy::threads(),
+        haproxy::threads()
+    );
+    if let Ok(file) = std::env::var("STRAIT_BENCH_JSON") {
+        let raw: Vec<serde_json::Value> = runs
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "path": r.label, "load": r.report, "cpu_seconds": r.cpu,
+                    "cpu_per_1k_rps": r.per_k(secs), "rss_kib": r.rss_kib,
+                    "cpu_wait": r.machine.cpu_wait, "steal": r.machine.steal,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({"bench": "mesh", "secs": secs, "repeat": repeat,
+            "threads": haproxy::threads(), "runs": raw});
+        std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        println!("raw results: {file}");
+    }
     if repeat > 1 {
         // Medians over the rounds; "added" is against the direct path of
         // the same round.
         println!(
-            "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12} {:>6}",
-            "path", "CPU/1k rps", "node 1 / node 2", "added p50", "added p99", "wait%"
+            "\nmedians of {repeat} rounds: {:<22} {:>11} {:>15} {:>12} {:>12} {:>17} {:>6}",
+            "path",
+            "CPU/1k rps",
+            "node 1 / node 2",
+            "added p50",
+            "added p99",
+            "added p99 min–max",
+            "wait%"
         );
         // Each rate's paths in a round: direct first, as pushed above.
         let per_round = runs.len() / repeat;
@@ -274,14 +312,19 @@ async fn main() {
         for (i, first) in runs.iter().take(per_round).enumerate() {
             let same: Vec<&Run> = runs.iter().skip(i).step_by(per_round).collect();
             let direct: Vec<&Run> = runs.iter().skip(i - i % paths).step_by(per_round).collect();
-            let added = |key: &str| {
-                median(
-                    same.iter()
-                        .zip(&direct)
-                        .map(|(r, d)| r.ms(key) - d.ms(key))
-                        .collect(),
-                )
+            let each_added = |key: &str| -> Vec<f64> {
+                same.iter()
+                    .zip(&direct)
+                    .map(|(r, d)| r.ms(key) - d.ms(key))
+                    .collect()
             };
+            let added = |key: &str| median(each_added(key));
+            let p99s = each_added("p99_ms");
+            let spread = format!(
+                "{:.2}–{:.2} ms",
+                p99s.iter().copied().fold(f64::INFINITY, f64::min),
+                p99s.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+            );
             let node = |n: usize| {
                 median(
                     same.iter()
@@ -301,13 +344,14 @@ async fn main() {
             let waits: Vec<f64> = same.iter().filter_map(|r| r.machine.cpu_wait).collect();
             let wait = (!waits.is_empty()).then(|| median(waits));
             println!(
-                "{:>28}{:<22} {:>11} {:>15} {:>9.2} ms {:>9.2} ms {:>6}",
+                "{:>28}{:<22} {:>11} {:>15} {:>9.2} ms {:>9.2} ms {:>17} {:>6}",
                 "",
                 first.label,
                 cpu,
                 split,
                 added("p50_ms"),
                 added("p99_ms"),
+                spread,
                 machine::percent_text(wait)
             );
         }

@@ -420,6 +420,33 @@ impl InstalledMesh {
         run_strait(&self.strait, args)
     }
 
+    /// The sample service in west (`replicas` pods of [`web_manifests`]) and
+    /// east's client ([`client_manifests`]), both Ready; west's `shop/web`
+    /// exported with `strait export`, and its mirror `web-west` written in
+    /// east by east's mirror controller.
+    pub fn serve_web_to_east(&self, replicas: u32) -> anyhow::Result<()> {
+        let east = self.east.cluster().kubeconfig_path();
+        let west = self.west.cluster().kubeconfig_path();
+        apply(&west, &web_manifests(replicas))?;
+        apply(&east, &client_manifests())?;
+        wait_ready(&west, "shop", "deploy/web")?;
+        wait_ready(&east, "shop", "deploy/client")?;
+        self.strait(&[
+            "export",
+            "svc/web",
+            "-n",
+            "shop",
+            "--kubeconfig",
+            &west.display().to_string(),
+        ])?;
+        kubectl_until(
+            &east,
+            &["get", "svc", "-n", "shop", "web-west"],
+            Duration::from_secs(60),
+        )?;
+        Ok(())
+    }
+
     /// `strait export --clusterset svc/SERVICE -n NAMESPACE` in the cluster of `kubeconfig`.
     pub fn export_clusterset(
         &self,

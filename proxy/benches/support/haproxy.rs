@@ -1,7 +1,8 @@
 //! A pair of haproxy processes as the benchmarks' reference: node 1 takes
 //! plain traffic in and speaks TLS with a client certificate to node 2,
 //! which requires that certificate and forwards in the clear to the pod.
-//! Certificates come from the mesh's own issuer.
+//! Certificates come from the mesh's own issuer. Each haproxy runs as many
+//! threads ([`threads`]) as a node proxy runs workers.
 //!
 //! [`Mode::Relay`] is the floor instead: the same pair as a null relay (TCP,
 //! no TLS, the kernel's `splice` between the sockets, so no byte is copied
@@ -48,6 +49,12 @@ impl Mode {
 
 /// Starts the pair in front of `backend`; clients connect to node 1 at
 /// [`Mode::entry_port`].
+/// Threads of each haproxy: as many as each node proxy's workers (one per
+/// CPU, its default), so neither side is measured with more of the machine.
+pub fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> {
     let dir = mesh.dir.path().join(match mode {
         Mode::Relay => "haproxy-relay",
@@ -107,7 +114,8 @@ pub fn start(mesh: &Mesh, backend: SocketAddr, mode: Mode) -> Vec<ChildProcess> 
         ),
     };
     let common = format!(
-        "global\n  maxconn 4000\n  nbthread 1\ndefaults\n  mode {proxy_mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n"
+        "global\n  maxconn 4000\n  nbthread {}\ndefaults\n  mode {proxy_mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n",
+        threads()
     );
     let front = format!(
         "{common}frontend f\n  bind {n1}:{entry}\n  default_backend b\nbackend b\n  server s {n2}:{inner}{client_tls}\n"

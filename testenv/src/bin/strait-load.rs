@@ -8,7 +8,10 @@
 //! timers) until the next request is due, then hands every request due
 //! within `--pace-window` (default 200 µs) to its connection's task, all on
 //! one thread. A request handed over early is timed from when it left
-//! instead, so leaving early never shortens a latency. Why not simpler:
+//! instead, so leaving early never shortens a latency. The report's
+//! `achieved_rps` counts the answers received within the measured window
+//! (of requests due in it), so a path that cannot keep up shows a lower rate
+//! and `saturated: true`, not the rate that was asked. Why not simpler:
 //! - a tokio timer fires on 1 ms ticks, late: every request left up to 1 ms
 //!   after it was due (counted as latency, a floor of ~1 ms under every p50)
 //!   and each tick's requests left together, rate/1000 at once;
@@ -70,6 +73,11 @@ struct Args {
     pace_window: Duration,
 }
 
+/// Below this share of the asked rate answered within the window, the run
+/// is reported `saturated`: the rate was not carried, and its latencies are
+/// those of a queue, not of the path.
+const SATURATED_BELOW: f64 = 0.95;
+
 /// A request handed to a connection: when it was due, and when the pacer
 /// let it go (earlier than due if it left with an earlier one).
 #[derive(Clone, Copy)]
@@ -95,6 +103,9 @@ struct Outcome {
     error_kinds: BTreeMap<String, u64>,
     /// Answers with `Connection: close`.
     server_closes: u64,
+    /// Requests due in the measured window answered (successfully) before
+    /// it ended: what the path under test actually carried in the window.
+    answered_in_window: u64,
 }
 
 impl Outcome {
@@ -111,6 +122,7 @@ async fn connection(
     args: &Args,
     mut queue: mpsc::UnboundedReceiver<Due>,
     measure_from: Instant,
+    measure_end: Instant,
 ) -> Outcome {
     let mut out = Outcome::default();
     let body = Bytes::from(vec![b'x'; args.body]);
@@ -170,6 +182,7 @@ async fn connection(
             Err(e) if e.is_incomplete_message() => Some("send (incomplete answer)".to_string()),
             Err(e) => Some(format!("send ({e})")),
         };
+        let answered = failure.is_none();
         if let Some(kind) = failure {
             out.error(kind);
             sender = None;
@@ -177,8 +190,10 @@ async fn connection(
             sender = None;
         }
         if due.intended >= measure_from {
+            let now = Instant::now();
             out.latencies_us
-                .push(Instant::now().duration_since(due.clock_start()).as_micros() as u64);
+                .push(now.duration_since(due.clock_start()).as_micros() as u64);
+            out.answered_in_window += u64::from(answered && now <= measure_end);
         }
     }
     out
@@ -201,7 +216,9 @@ fn main() -> anyhow::Result<()> {
             .map(|_| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 let args = args.clone();
-                let task = tokio::spawn(async move { connection(&args, rx, measure_from).await });
+                let task = tokio::spawn(async move {
+                    connection(&args, rx, measure_from, measure_from + args.duration).await
+                });
                 (tx, task)
             })
             .unzip();
@@ -212,6 +229,7 @@ fn main() -> anyhow::Result<()> {
             all.latencies_us.extend(o.latencies_us);
             all.errors += o.errors;
             all.server_closes += o.server_closes;
+            all.answered_in_window += o.answered_in_window;
             for (kind, n) in o.error_kinds {
                 *all.error_kinds.entry(kind).or_default() += n;
             }
@@ -227,13 +245,26 @@ fn main() -> anyhow::Result<()> {
         let i = ((all.latencies_us.len() as f64 * p).ceil() as usize).saturating_sub(1);
         all.latencies_us[i.min(all.latencies_us.len() - 1)] as f64 / 1000.0
     };
+    // What was answered within the window, not what was due in it: a path
+    // that cannot keep up leaves requests queued past the window's end
+    // (their latencies still count), and carried less than was asked.
+    let achieved = all.answered_in_window as f64 / args.duration.as_secs_f64();
+    let saturated = achieved < SATURATED_BELOW * f64::from(args.rate);
+    if saturated {
+        eprintln!(
+            "strait-load: saturated: {achieved:.0} of {} requests a second answered within the window (below {:.0} %)",
+            args.rate,
+            SATURATED_BELOW * 100.0
+        );
+    }
     let report = serde_json::json!({
         "requests": all.latencies_us.len(),
         "errors": all.errors,
         "error_kinds": all.error_kinds,
         "server_closes": all.server_closes,
         "rate": args.rate,
-        "achieved_rps": all.latencies_us.len() as f64 / args.duration.as_secs_f64(),
+        "achieved_rps": achieved,
+        "saturated": saturated,
         "p50_ms": pct(0.50),
         "p90_ms": pct(0.90),
         "p99_ms": pct(0.99),
