@@ -9,8 +9,14 @@
 //! 2. Initial sync of STRAIT_BENCH_SYNC_N (comma list, default "1000,10000")
 //!    exported services: time from linking to all mirrors present, and the
 //!    controller's peak RSS.
+//!    Beside it, the API server's floor for the same writes: a plain client
+//!    server-side-applies the same number of Services and EndpointSlices
+//!    (one of each per Service, in that order, 16 Services at a time as the
+//!    controller writes) into east, just before; the sync's ratio to it.
 //! 3. API writes while idle for STRAIT_BENCH_IDLE_SECS (60): counted as changes
 //!    of resourceVersion across all mirrors and the Link.
+//! 4. West's API server restarted (every watch relists): mirrors rewritten
+//!    in the STRAIT_BENCH_IDLE_SECS after it answers again (should be 0).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -100,6 +106,39 @@ async fn link(env: &Env, name: &str) {
         .unwrap();
 }
 
+/// The API server's floor for an initial sync of `size`: a plain client
+/// server-side-applies, 16 Services at a time, each a Service and then its
+/// EndpointSlice (one endpoint), as the controller writes a mirror. Seconds.
+async fn floor(client: &Client, namespace: &str, size: usize) -> f64 {
+    ensure_namespace(client, namespace).await.unwrap();
+    let (services, slices) = (
+        Api::<Service>::namespaced(client.clone(), namespace),
+        Api::<EndpointSlice>::namespaced(client.clone(), namespace),
+    );
+    let params = PatchParams::apply("bench-floor");
+    let start = Instant::now();
+    futures::stream::iter(0..size)
+        .map(|i| {
+            let (services, slices, params) = (services.clone(), slices.clone(), params.clone());
+            async move {
+                let name = format!("floor-{i}");
+                let svc = json!({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": name, "labels": {"strait.dev/mirrored-service": "true", "strait.dev/cluster-name": "floor"}},
+                    "spec": {"ports": [{"name": "http", "port": 80}]}});
+                services.patch(&name, &params, &Patch::Apply(&svc)).await.unwrap();
+                let slice = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": name, "labels": {"kubernetes.io/service-name": name, "strait.dev/cluster-name": "floor"}},
+                    "addressType": "IPv4", "ports": [{"name": "http", "port": 4143}],
+                    "endpoints": [{"addresses": ["10.77.0.1"], "conditions": {"ready": true}}]});
+                slices.patch(&name, &params, &Patch::Apply(&slice)).await.unwrap();
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    start.elapsed().as_secs_f64()
+}
+
 fn service(name: &str, label: &str) -> Service {
     serde_json::from_value(json!({"metadata": {"name": name, "labels": {"bench": label}}, "spec": {"ports": [{"name": "http", "port": 80}]}})).unwrap()
 }
@@ -118,7 +157,7 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let env = setup().await;
+    let mut env = setup().await;
     let (ec, wc) = (env.east.client(), env.west.client());
     let west_services: Api<Service> = Api::namespaced(wc.clone(), "bench");
 
@@ -178,6 +217,7 @@ async fn main() {
         .buffer_unordered(32)
         .collect::<Vec<_>>()
         .await;
+        let floor_secs = floor(&ec, &format!("floor-{size}"), size).await;
         let rss_before = rss_kib(env.controller.pid().unwrap());
         // Where the time goes: CPU of the controller and of each cluster's
         // control plane (etcd, API server, controller manager) during the sync.
@@ -221,9 +261,11 @@ async fn main() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         peak = peak.max(rss_kib(env.controller.pid().unwrap()));
         println!(
-            "initial sync of {size} exported services: {:.1} s, controller RSS peak {} MiB (before {} MiB); \
+            "initial sync of {size} exported services: {:.1} s = {:.2}x the API server's floor ({floor_secs:.1} s for the same \
+             {size} Services + EndpointSlices from a plain client, 16 at a time), controller RSS peak {} MiB (before {} MiB); \
              CPU during it: controller {:.1} s, east control plane {:.1} s, west control plane {:.1} s",
             took.as_secs_f64(),
+            took.as_secs_f64() / floor_secs,
             peak / 1024,
             rss_before / 1024,
             cpu(&[env.controller.pid().unwrap()]) - cpu_before.0,
@@ -281,6 +323,25 @@ async fn main() {
     println!(
         "API writes during {idle} s idle ({} objects watched): {writes}",
         before.len()
+    );
+
+    // 4. West's API server restarted: every watch of it relists.
+    let before = versions().await;
+    env.west.stop_apiserver();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    env.west.start_apiserver().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(idle)).await;
+    let after = versions().await;
+    let rewritten: Vec<&String> = before
+        .iter()
+        .filter(|(k, v)| !k.starts_with("link/") && after.get(*k) != Some(*v))
+        .map(|(k, _)| k)
+        .collect();
+    println!(
+        "west's API server restarted: {} of {} mirror objects rewritten in the {idle} s after ({:?})",
+        rewritten.len(),
+        before.len(),
+        rewritten.iter().take(5).collect::<Vec<_>>()
     );
     let _ = &env.dir;
 }
