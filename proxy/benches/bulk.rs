@@ -16,7 +16,9 @@
 //!
 //! (installs iperf3, socat, proxychains4 and haproxy, builds the release binaries, then runs
 //! `cargo bench -p strait-proxy --bench bulk` with `STRAIT_PROXY_LOG=warn`;
-//! `STRAIT_BENCH_SECS=10`.)
+//! `STRAIT_BENCH_SECS=10`; `STRAIT_BENCH_REPEAT=3` interleaved rounds of every
+//! path, medians with their spread and the ratios of the medians;
+//! `STRAIT_BENCH_JSON=FILE` writes every run.)
 
 #[path = "support/haproxy.rs"]
 mod haproxy;
@@ -35,9 +37,20 @@ use strait_testenv::fixture::*;
 
 /// Where socat listens in the client pod (loopback) and the loopback server.
 const SHIM_PORT: u16 = 15201;
+/// Where the CONNECT shim (socat speaking CONNECT to the node proxy) listens.
+const CONNECT_SHIM_PORT: u16 = 15202;
 const LOOPBACK_PORT: u16 = 5202;
 /// socat's copy buffer (its default is 8 KiB), so the shim is not the limit.
 const SOCAT_BUFFER: &str = "131072";
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
 
 struct Run {
     label: &'static str,
@@ -131,7 +144,7 @@ async fn main() {
             LOOPBACK_PORT.to_string(),
         ],
     );
-    let socat = |name: &str, to: String| {
+    let socat = |name: &str, port: u16, to: String| {
         spawn(
             client,
             &mesh,
@@ -140,7 +153,7 @@ async fn main() {
             &[
                 "-b".into(),
                 SOCAT_BUFFER.into(),
-                format!("TCP-LISTEN:{SHIM_PORT},bind=127.0.0.1,fork,reuseaddr"),
+                format!("TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"),
                 to,
             ],
         )
@@ -152,120 +165,136 @@ async fn main() {
     })
     .await;
 
-    let mut runs = Vec::new();
-    runs.push(measured("loopback (one netns)", &[], None, || {
-        iperf(client, "127.0.0.1", LOOPBACK_PORT, secs)
-    }));
-    runs.push(measured("pod → pod direct", &[], None, || {
-        iperf(client, &server_ip.to_string(), IPERF_PORT, secs)
-    }));
-    {
-        let shim = socat(
-            "socat-direct",
-            format!("TCP:{server_ip}:{IPERF_PORT},nodelay"),
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        runs.push(measured("pod → socat → pod", &[], shim.pid(), || {
-            iperf(client, "127.0.0.1", SHIM_PORT, secs)
-        }));
-    }
-    {
-        let shim = socat(
-            "socat-connect",
-            format!(
-                "PROXY:{node_ip}:iperf.shop.svc.cluster.local:{IPERF_PORT},proxyport=4140,nodelay"
-            ),
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        eventually("iperf3 answers through CONNECT", WAIT, || async {
-            iperf(client, "127.0.0.1", SHIM_PORT, 1)
-        })
-        .await;
-        runs.push(measured(
-            "socat → CONNECT proxy pair",
-            &proxy_pids,
-            shim.pid(),
-            || iperf(client, "127.0.0.1", SHIM_PORT, secs),
-        ));
-    }
-    {
-        // iperf3 itself speaks CONNECT (proxychains hooks its connect()), so
-        // no shim process sits in the path: what the proxy pair alone costs.
-        let conf = mesh.dir.path().join("proxychains.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "strict_chain\nquiet_mode\nproxy_dns\nremote_dns_subnet 224\n\
-                 tcp_read_time_out 15000\ntcp_connect_time_out 8000\n\
-                 [ProxyList]\nhttp {node_ip} 4140\n"
-            ),
-        )
-        .unwrap();
-        // `reverse`: the server sends (iperf3 -R), so bulk flows back
-        // through the pair: the TLS client side reads it.
-        let iperf_connect = |secs, reverse: bool| {
-            let mut command = client.command("/usr/bin/proxychains4");
-            command.arg("-q").arg("-f").arg(&conf).arg("iperf3");
-            if reverse {
-                command.arg("-R");
-            }
-            iperf_with(command, "iperf.shop.svc.cluster.local", IPERF_PORT, secs)
-        };
-        eventually("iperf3 answers through proxychains", WAIT, || async {
-            iperf_connect(1, false)
-        })
-        .await;
-        runs.push(measured(
-            "iperf3 CONNECT → proxy pair",
-            &proxy_pids,
-            None,
-            || iperf_connect(secs, false),
-        ));
-        runs.push(measured(
-            "the same, server sending",
-            &proxy_pids,
-            None,
-            || iperf_connect(secs, true),
-        ));
-    }
-
+    // Every path is set up first, then measured in interleaved rounds
+    // (`STRAIT_BENCH_REPEAT`, 3): a slow minute of this shared machine hits
+    // every path alike.
+    let direct_shim = socat(
+        "socat-direct",
+        SHIM_PORT,
+        format!("TCP:{server_ip}:{IPERF_PORT},nodelay"),
+    );
+    let connect_shim = socat(
+        "socat-connect",
+        CONNECT_SHIM_PORT,
+        format!("PROXY:{node_ip}:iperf.shop.svc.cluster.local:{IPERF_PORT},proxyport=4140,nodelay"),
+    );
+    // iperf3 itself speaks CONNECT (proxychains hooks its connect()), so no
+    // shim process sits in the path: what the proxy pair alone costs.
+    let conf = mesh.dir.path().join("proxychains.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "strict_chain\nquiet_mode\nproxy_dns\nremote_dns_subnet 224\n\
+             tcp_read_time_out 15000\ntcp_connect_time_out 8000\n\
+             [ProxyList]\nhttp {node_ip} 4140\n"
+        ),
+    )
+    .unwrap();
+    // `reverse`: the server sends (iperf3 -R), so bulk flows back through
+    // the pair: the TLS client side reads it.
+    let iperf_connect = |secs, reverse: bool| {
+        let mut command = client.command("/usr/bin/proxychains4");
+        command.arg("-q").arg("-f").arg(&conf).arg("iperf3");
+        if reverse {
+            command.arg("-R");
+        }
+        iperf_with(command, "iperf.shop.svc.cluster.local", IPERF_PORT, secs)
+    };
     // The reference: a pair of haproxy (TCP mode, TLS with client
-    // certificates between the nodes), which iperf3 reaches directly; then
+    // certificates between the nodes), which iperf3 reaches directly; and
     // the floor, the same pair as a null relay.
-    for (mode, label, reverse_label) in [
+    let backend = std::net::SocketAddr::new(server_ip.into(), IPERF_PORT);
+    let tls_pair = haproxy::start(&mesh, backend, haproxy::Mode::Tcp);
+    let relay_pair = haproxy::start(&mesh, backend, haproxy::Mode::Relay);
+    let pids_of =
+        |pair: &[ChildProcess]| -> Vec<u32> { pair.iter().filter_map(|p| p.pid()).collect() };
+    let (shim_direct, shim_connect) = (direct_shim.pid(), connect_shim.pid());
+    let entry = node_ip.to_string();
+    let iperf_pair = |mode: haproxy::Mode, secs, reverse: bool| {
+        let mut command = client.command("iperf3");
+        if reverse {
+            command.arg("-R");
+        }
+        iperf_with(command, &entry, mode.entry_port(), secs)
+    };
+    type Iperf<'a> = Box<dyn Fn(u64) -> Result<(f64, u64), String> + 'a>;
+    let paths: Vec<(&'static str, Vec<u32>, Option<u32>, Iperf)> = vec![
         (
-            haproxy::Mode::Tcp,
+            "loopback (one netns)",
+            vec![],
+            None,
+            Box::new(|secs| iperf(client, "127.0.0.1", LOOPBACK_PORT, secs)),
+        ),
+        (
+            "pod → pod direct",
+            vec![],
+            None,
+            Box::new(|secs| iperf(client, &server_ip.to_string(), IPERF_PORT, secs)),
+        ),
+        (
+            "pod → socat → pod",
+            vec![],
+            shim_direct,
+            Box::new(|secs| iperf(client, "127.0.0.1", SHIM_PORT, secs)),
+        ),
+        (
+            "socat → CONNECT proxy pair",
+            proxy_pids.clone(),
+            shim_connect,
+            Box::new(|secs| iperf(client, "127.0.0.1", CONNECT_SHIM_PORT, secs)),
+        ),
+        (
+            "iperf3 CONNECT → proxy pair",
+            proxy_pids.clone(),
+            None,
+            Box::new(|secs| iperf_connect(secs, false)),
+        ),
+        (
+            "the same, server sending",
+            proxy_pids.clone(),
+            None,
+            Box::new(|secs| iperf_connect(secs, true)),
+        ),
+        (
             "haproxy+TLS pair (TCP)",
-            "haproxy+TLS, server sending",
+            pids_of(&tls_pair),
+            None,
+            Box::new(|secs| iperf_pair(haproxy::Mode::Tcp, secs, false)),
         ),
         (
-            haproxy::Mode::Relay,
-            "null relay pair (splice)",
-            "null relay, server sending",
+            "haproxy+TLS, server sending",
+            pids_of(&tls_pair),
+            None,
+            Box::new(|secs| iperf_pair(haproxy::Mode::Tcp, secs, true)),
         ),
-    ] {
-        let pair = haproxy::start(
-            &mesh,
-            std::net::SocketAddr::new(server_ip.into(), IPERF_PORT),
-            mode,
-        );
-        let pids: Vec<u32> = pair.iter().filter_map(|p| p.pid()).collect();
-        let entry = node_ip.to_string();
-        let iperf_pair = |secs, reverse: bool| {
-            let mut command = client.command("iperf3");
-            if reverse {
-                command.arg("-R");
-            }
-            iperf_with(command, &entry, mode.entry_port(), secs)
-        };
-        eventually("iperf3 answers through the haproxy pair", WAIT, || async {
-            iperf_pair(1, false)
+        (
+            "null relay pair (splice)",
+            pids_of(&relay_pair),
+            None,
+            Box::new(|secs| iperf_pair(haproxy::Mode::Relay, secs, false)),
+        ),
+        (
+            "null relay, server sending",
+            pids_of(&relay_pair),
+            None,
+            Box::new(|secs| iperf_pair(haproxy::Mode::Relay, secs, true)),
+        ),
+    ];
+    for (label, _, _, run) in &paths {
+        eventually(&format!("iperf3 answers: {label}"), WAIT, || async {
+            run(1)
         })
         .await;
-        runs.push(measured(label, &pids, None, || iperf_pair(secs, false)));
-        runs.push(measured(reverse_label, &pids, None, || {
-            iperf_pair(secs, true)
-        }));
+    }
+    let repeat: usize = std::env::var("STRAIT_BENCH_REPEAT")
+        .unwrap_or("3".into())
+        .parse()
+        .unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..repeat {
+        for (label, pids, shim, run) in &paths {
+            runs.push(measured(label, pids, *shim, || run(secs)));
+        }
     }
 
     let raw = runs[0].gbits;
@@ -292,6 +321,53 @@ async fn main() {
             machine::percent_text(r.machine.cpu_wait),
             r.machine.steal
         );
+    }
+    // Medians over the rounds, with their spread; the ratios the goals are
+    // stated in, from the medians of this run.
+    let gbits_of = |label: &str| -> Vec<f64> {
+        runs.iter()
+            .filter(|r| r.label == label)
+            .map(|r| r.gbits)
+            .collect()
+    };
+    println!("\nmedians of {repeat} rounds:");
+    let mut medians = Vec::new();
+    for (label, ..) in &paths {
+        let all = gbits_of(label);
+        let med = median(all.clone());
+        medians.push((*label, med));
+        println!(
+            "  {label:<28} {med:>8.2} Gbit/s (min {:.2}, max {:.2})",
+            all.iter().copied().fold(f64::INFINITY, f64::min),
+            all.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+        );
+    }
+    let med = |label: &str| {
+        medians
+            .iter()
+            .find(|(l, _)| *l == label)
+            .map_or(0.0, |(_, m)| *m)
+    };
+    println!(
+        "  proxy pair (iperf3 CONNECT) / haproxy+TLS pair: {:.2}; / null relay: {:.2}; / direct: {:.2}",
+        med("iperf3 CONNECT → proxy pair") / med("haproxy+TLS pair (TCP)"),
+        med("iperf3 CONNECT → proxy pair") / med("null relay pair (splice)"),
+        med("iperf3 CONNECT → proxy pair") / med("pod → pod direct"),
+    );
+    if let Ok(file) = std::env::var("STRAIT_BENCH_JSON") {
+        let raw: Vec<serde_json::Value> = runs
+            .iter()
+            .map(|r| {
+                serde_json::json!({"path": r.label, "gbits": r.gbits, "retransmits": r.retransmits,
+                    "proxy_cpu_seconds": r.proxy_cpu, "shim_cpu_seconds": r.shim_cpu,
+                    "cpu_wait": r.machine.cpu_wait, "steal": r.machine.steal})
+            })
+            .collect();
+        let doc = serde_json::json!({"bench": "bulk", "secs": secs, "repeat": repeat,
+            "threads": haproxy::threads(), "medians_gbits": medians.iter().map(|(l, m)| serde_json::json!({"path": l, "gbits": m})).collect::<Vec<_>>(),
+            "runs": raw});
+        std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        println!("raw results: {file}");
     }
     println!(
         "({secs} s each; CPU seconds over the run; {} CPUs)",
