@@ -288,10 +288,25 @@ async fn main() {
         iperf(&app, MIRROR, 9000, 1)
     })
     .await;
-    let mut bulk_runs = vec![
-        bulk("QUIC, CONNECT + socat", false),
-        bulk("QUIC, transparent", true),
-    ];
+    // Each run with the gateway's streams by transport during it: a QUIC run
+    // that fell back to TCP (or the reverse) measured the other transport.
+    let streams = || async {
+        (
+            gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await,
+            gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"tcp\""]).await,
+        )
+    };
+    // Each bulk run with the gateway's streams by transport during it.
+    let mut bulk_runs = Vec::new();
+    for (label, transparent) in [
+        ("QUIC, CONNECT + socat", false),
+        ("QUIC, transparent", true),
+    ] {
+        let before = streams().await;
+        let (label, gbits, cpu) = bulk(label, transparent);
+        let after = streams().await;
+        bulk_runs.push((label, gbits, cpu, (after.0 - before.0, after.1 - before.1)));
+    }
 
     // The shaped WAN: TCP fallback first (UDP blocked before the QUIC
     // connection is remade), then QUIC.
@@ -312,22 +327,29 @@ async fn main() {
         },
     )
     .await;
-    let runs = |what: &'static str| {
-        rates
-            .iter()
-            .map(|&rate| {
-                let cpu = cpu_seconds(gw_pid);
-                let r = load(&east, rate, secs);
-                (what, rate, r, cpu_seconds(gw_pid) - cpu)
-            })
-            .collect::<Vec<_>>()
+    let (east_ref, rates_ref, streams_ref) = (&east, &rates, &streams);
+    let runs = |what: &'static str| async move {
+        let (east, rates, streams) = (east_ref, rates_ref, streams_ref);
+        let mut out = Vec::new();
+        for &rate in rates {
+            let before = streams().await;
+            let cpu = cpu_seconds(gw_pid);
+            let r = load(east, rate, secs);
+            let cpu = cpu_seconds(gw_pid) - cpu;
+            let after = streams().await;
+            out.push((what, rate, r, cpu, (after.0 - before.0, after.1 - before.1)));
+        }
+        out
     };
-    let tcp_runs = runs("TCP+TLS (HTTP/2 mux)");
+    let tcp_runs = runs("TCP+TLS (HTTP/2 mux)").await;
     let tcp_conns =
         gateway_metric(&gw_pod, "gateway_connections_total", &["transport=\"tcp\""]).await;
     // Bulk over the fallback, unshaped (UDP still blocked).
     wan.unshape().unwrap();
-    bulk_runs.push(bulk("TCP+TLS, transparent", true));
+    let before = streams().await;
+    let (label, gbits, cpu) = bulk("TCP+TLS, transparent", true);
+    let after = streams().await;
+    bulk_runs.push((label, gbits, cpu, (after.0 - before.0, after.1 - before.1)));
     wan.shape(delay, loss).unwrap();
     wan.unblock_udp().unwrap();
     eventually("back on QUIC", Duration::from_secs(60), || async {
@@ -342,32 +364,60 @@ async fn main() {
         }
     })
     .await;
-    let quic_runs = runs("QUIC");
+    let quic_runs = runs("QUIC").await;
     wan.unshape().unwrap();
 
     println!(
         "\ncross-cluster, 100 connections, 1 KiB bodies, WAN {delay:?} each way, {loss}% loss, {secs} s per run"
     );
     println!(
-        "{:<22} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>10}",
-        "transport", "rps", "p50 ms", "p90 ms", "p99 ms", "max ms", "errors", "gw CPU s"
+        "{:<22} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>10} {:>17}",
+        "transport",
+        "rps",
+        "achieved",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "max ms",
+        "errors",
+        "gw CPU s",
+        "gw streams q/tcp"
     );
     let mut all: Vec<_> = quic_runs.iter().chain(&tcp_runs).collect();
-    all.sort_by_key(|(_, rate, _, _)| *rate);
-    for (label, rate, r, cpu) in &all {
+    all.sort_by_key(|(_, rate, ..)| *rate);
+    for (label, rate, r, cpu, (quic, tcp)) in &all {
+        let saturated = if r["saturated"] == true { "!" } else { "" };
         println!(
-            "{:<22} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>10.2}",
+            "{:<22} {:>6} {:>8.0}{:1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>10.2} {:>17}",
             label,
             rate,
+            r["achieved_rps"].as_f64().unwrap_or(0.0),
+            saturated,
             r["p50_ms"].as_f64().unwrap_or(0.0),
             r["p90_ms"].as_f64().unwrap_or(0.0),
             r["p99_ms"].as_f64().unwrap_or(0.0),
             r["max_ms"].as_f64().unwrap_or(0.0),
             r["errors"],
-            cpu
+            cpu,
+            format!("{quic:.0}/{tcp:.0}")
         );
     }
-    for (label, rate, r, _) in &all {
+    for (label, rate, _, _, (quic, tcp)) in &all {
+        let wrong = if label.starts_with("QUIC") {
+            *tcp
+        } else {
+            *quic
+        };
+        if wrong > 0.0 {
+            println!(
+                "WARNING {label} at {rate} rps: {wrong:.0} gateway streams on the other transport during the run: not a clean measurement"
+            );
+        }
+    }
+    if all.iter().any(|(_, _, r, ..)| r["saturated"] == true) {
+        println!("! saturated: under 95 % of the asked rate answered within the window");
+    }
+    for (label, rate, r, ..) in &all {
         if r["errors"].as_u64().unwrap_or(0) > 0 || r["server_closes"].as_u64().unwrap_or(0) > 0 {
             println!(
                 "{label} at {rate} rps: errors by kind {}, answers with Connection: close {}",
@@ -380,17 +430,28 @@ async fn main() {
         "\nbulk, one TCP stream through the gateway, unshaped WAN, {secs} s; CPU seconds of east proxy, gateway, west proxy"
     );
     println!(
-        "{:<26} {:>8} {:>7} {:>8} {:>8} {:>8}",
-        "transport, way in", "Gbit/s", "GiB/s", "east px", "gateway", "west px"
+        "{:<26} {:>8} {:>7} {:>8} {:>8} {:>8} {:>17}",
+        "transport, way in", "Gbit/s", "GiB/s", "east px", "gateway", "west px", "gw streams q/tcp"
     );
-    for (label, gbits, cpu) in &bulk_runs {
+    for (label, gbits, cpu, (quic, tcp)) in &bulk_runs {
         println!(
-            "{label:<26} {gbits:>8.2} {:>7.2} {:>8.2} {:>8.2} {:>8.2}",
+            "{label:<26} {gbits:>8.2} {:>7.2} {:>8.2} {:>8.2} {:>8.2} {:>17}",
             gbits * 1e9 / 8.0 / (1u64 << 30) as f64,
             cpu[0],
             cpu[1],
-            cpu[2]
+            cpu[2],
+            format!("{quic:.0}/{tcp:.0}")
         );
+        let wrong = if label.starts_with("QUIC") {
+            *tcp
+        } else {
+            *quic
+        };
+        if wrong > 0.0 {
+            println!(
+                "WARNING {label}: {wrong:.0} gateway streams on the other transport during the run"
+            );
+        }
     }
     for (side, mesh) in [("east", &east), ("west", &west)] {
         // `STRAIT_BENCH_LOGS=DIR` keeps every component's log for a closer look.
