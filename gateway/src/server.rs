@@ -327,11 +327,14 @@ impl Gateway {
                     })
                     .inc();
                 let streams = async {
+                    let mut credit = strait_mesh::tunnel::quic::StreamCredit::default();
                     loop {
                         match connection.accept_bi().await {
                             Ok((send, recv)) => {
                                 let (this, peer) = (this.clone(), peer.clone());
+                                let open = credit.accepted(&connection);
                                 tokio::spawn(async move {
+                                    let _open = open;
                                     let stream = tokio::io::join(recv, send);
                                     this.stream(stream, peer, "quic").await;
                                 });

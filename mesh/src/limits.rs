@@ -19,8 +19,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// gateway's two transports, the node proxy's inbound and outbound ports).
 /// The memory limits in deploy/ are sized for both of a process's listeners
 /// full: ~27 KiB per proxy connection (2 × 8192 → ~440 MiB of the
-/// DaemonSet's 512 MiB), ~114 KiB per established QUIC connection and
-/// ~11 KiB per TCP one at the gateway (~1 GiB of its 1.5 GiB).
+/// DaemonSet's 512 MiB), ~40 KiB per established QUIC connection (~114 KiB
+/// before stream credit grew on demand, which the limit was sized for) and
+/// ~11 KiB per TCP one at the gateway (under 1 GiB of its 1.5 GiB).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 8_192;
 /// The cap on the admin port's open connections: probes and scrapes need a
 /// handful; idle ones are closed after 5 s, so this bounds memory (some

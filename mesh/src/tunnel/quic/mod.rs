@@ -28,9 +28,14 @@ use super::{TUNNEL_ALPN, TunnelHeader, server_name_for};
 use crate::identity::SpiffeId;
 use crate::identity::tls::{self, CertSlot, TrustBundle};
 
-/// Streams one connection may have open at once (each direction's limit for
-/// the peer): a misbehaving peer cannot open more.
+/// Streams one connection may have open at once (the gateway's limit for a
+/// node proxy): a misbehaving peer cannot open more.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// The streams a new connection may open at first; [`StreamCredit`] raises
+/// it (×4, up to [`MAX_STREAMS_PER_CONNECTION`]) once half are in use. quinn
+/// keeps an entry in two maps for every stream the peer may open, from the
+/// start: at 1 024 that was ~68 KiB of each idle connection.
+pub const INITIAL_STREAMS_PER_CONNECTION: u32 = 64;
 /// Per-stream receive window: one stream can fill a 1 Gbit/s path with 64 ms
 /// of round trip (bandwidth × delay).
 pub const STREAM_WINDOW: u32 = 8 * 1024 * 1024;
@@ -70,12 +75,14 @@ pub const INITIAL_WINDOW: u64 = 64 * 1024;
 /// streams, so requests queue in the sender. BBR paces at the measured
 /// bandwidth and round trip instead (as Google's QUIC does). Measured in
 /// `scripts/bench-wan.sh`; see ARCHITECTURE.md.
-pub fn transport() -> Arc<quinn::TransportConfig> {
+/// `peer_streams`: how many bidirectional streams the peer may open at
+/// first (the gateway's clients open them; the gateway never opens one).
+pub fn transport(peer_streams: u32) -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
     let mut bbr = quinn::congestion::BbrConfig::default();
     bbr.initial_window(INITIAL_WINDOW);
     t.congestion_controller_factory(Arc::new(bbr));
-    t.max_concurrent_bidi_streams(MAX_STREAMS_PER_CONNECTION.into())
+    t.max_concurrent_bidi_streams(peer_streams.into())
         .max_concurrent_uni_streams(0u32.into())
         .stream_receive_window(STREAM_WINDOW.into())
         .receive_window(CONNECTION_WINDOW.into())
@@ -87,6 +94,52 @@ pub fn transport() -> Arc<quinn::TransportConfig> {
                 .expect("a few seconds is a valid idle timeout"),
         ));
     Arc::new(t)
+}
+
+/// The gateway's count of one connection's open streams, raising the
+/// peer's stream limit as they fill it: an idle connection keeps the small
+/// initial limit, a busy one grows to [`MAX_STREAMS_PER_CONNECTION`] before
+/// its client runs out (the raise is sent when half are in use).
+pub struct StreamCredit {
+    open: Arc<std::sync::atomic::AtomicU32>,
+    limit: u32,
+}
+
+/// Decrements its connection's open streams when dropped (the stream ended).
+pub struct OpenStream(Arc<std::sync::atomic::AtomicU32>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+impl Default for StreamCredit {
+    fn default() -> Self {
+        Self {
+            open: Arc::default(),
+            limit: INITIAL_STREAMS_PER_CONNECTION,
+        }
+    }
+}
+
+impl StreamCredit {
+    /// A stream was accepted on `connection`: counted until the returned
+    /// guard drops; the limit raised if half of it is in use.
+    pub fn accepted(&mut self, connection: &quinn::Connection) -> OpenStream {
+        let open = self.open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+        if let Some(limit) = raised_stream_limit(open, self.limit) {
+            self.limit = limit;
+            connection.set_max_concurrent_bi_streams(limit.into());
+        }
+        OpenStream(self.open.clone())
+    }
+}
+
+/// The new stream limit when `open` streams are in use under `limit`.
+pub fn raised_stream_limit(open: u32, limit: u32) -> Option<u32> {
+    (open.saturating_mul(2) >= limit && limit < MAX_STREAMS_PER_CONNECTION)
+        .then(|| limit.saturating_mul(4).min(MAX_STREAMS_PER_CONNECTION))
 }
 
 /// A UDP socket bound to `addr` with large buffers (quinn enables GSO/GRO on
@@ -108,7 +161,7 @@ pub fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
 pub fn server_config(tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, TunnelError> {
     let crypto = QuicServerConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    config.transport_config(transport());
+    config.transport_config(transport(INITIAL_STREAMS_PER_CONNECTION));
     Ok(config)
 }
 
@@ -116,7 +169,8 @@ pub fn server_config(tls: rustls::ServerConfig) -> Result<quinn::ServerConfig, T
 pub fn client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, TunnelError> {
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| TunnelError::Config(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(transport());
+    // The gateway never opens a stream to its client.
+    config.transport_config(transport(0));
     Ok(config)
 }
 
@@ -717,3 +771,22 @@ impl GatewayClient {
 
 #[cfg(test)]
 mod reset_tests;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stream_limit_grows_when_half_is_in_use_up_to_the_maximum() {
+        assert_eq!(raised_stream_limit(1, 64), None);
+        assert_eq!(raised_stream_limit(31, 64), None);
+        assert_eq!(raised_stream_limit(32, 64), Some(256));
+        assert_eq!(raised_stream_limit(128, 256), Some(1024));
+        assert_eq!(raised_stream_limit(1024, 1024), None);
+        // Never beyond the maximum, whatever the count says.
+        assert_eq!(
+            raised_stream_limit(u32::MAX, 512),
+            Some(MAX_STREAMS_PER_CONNECTION)
+        );
+    }
+}
