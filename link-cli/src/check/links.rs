@@ -15,7 +15,7 @@ use strait_mesh::identity::certs;
 use strait_mesh::link::{Link, LinkSpec, LinkStatus, TRUST_ANCHORS_CONFIGMAP, selector_query};
 
 use super::local::now;
-use super::pure::{Level, bearer_token, judge_token, jwt_times};
+use super::pure::{Level, judge_token, jwt_times};
 use super::{CheckResult, SYSTEM_NAMESPACE, fetch};
 use crate::link::LINK_NAMESPACE;
 
@@ -25,6 +25,14 @@ pub struct LinkInfo {
     pub spec: LinkSpec,
     /// A client for the remote API when the credentials loaded and it answered.
     pub remote: Option<Client>,
+}
+
+/// The bearer token of a link kubeconfig's first user, read from the YAML
+/// itself (kube keeps a loaded token behind a secrecy wrapper).
+pub(crate) fn bearer_token(kubeconfig_yaml: &str) -> Option<String> {
+    serde_yaml::from_str::<serde_yaml::Value>(kubeconfig_yaml)
+        .ok()
+        .and_then(|v| v["users"][0]["user"]["token"].as_str().map(str::to_string))
 }
 
 fn relink_hint(cluster: &str) -> String {

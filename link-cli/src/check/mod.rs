@@ -7,6 +7,7 @@
 //! remote when its credentials load) are skipped, not failed twice.
 
 mod links;
+pub(crate) use links::bearer_token;
 pub(crate) mod local;
 pub mod pure;
 

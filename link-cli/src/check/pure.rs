@@ -30,14 +30,6 @@ pub fn jwt_times(token: &str) -> Result<(Option<i64>, i64), String> {
     Ok((claims["iat"].as_i64(), exp))
 }
 
-/// The bearer token of a link kubeconfig's first user, read from the YAML
-/// itself (kube keeps a loaded token behind a secrecy wrapper).
-pub fn bearer_token(kubeconfig_yaml: &str) -> Option<String> {
-    serde_yaml::from_str::<serde_yaml::Value>(kubeconfig_yaml)
-        .ok()
-        .and_then(|v| v["users"][0]["user"]["token"].as_str().map(str::to_string))
-}
-
 /// Judges a link token: expired fails; less than a quarter of its life left
 /// (the controller renews at 70 %, so it should never get there), or under an
 /// hour when its issue time is unknown, warns.

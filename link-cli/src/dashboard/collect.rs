@@ -31,7 +31,8 @@ use tokio::time::Instant;
 
 use super::model::{self, Inputs, State, TokenTimes};
 use crate::check::CheckResult;
-use crate::check::pure::{bearer_token, jwt_times};
+use crate::check::bearer_token;
+use crate::check::pure::jwt_times;
 use crate::stat::{self, Totals};
 
 /// The watched objects.

@@ -70,6 +70,10 @@ pub async fn dashboard(args: DashboardArgs) -> anyhow::Result<()> {
             "--prometheus {url}: give the server's http:// URL, e.g. http://localhost:9090"
         );
     }
+    anyhow::ensure!(
+        args.refresh >= Duration::from_millis(100) && args.check_interval >= Duration::from_secs(1),
+        "--refresh must be at least 100ms and --check-interval at least 1s (they set how often the API and the linked clusters are asked)"
+    );
     let kubeconfig = load_kubeconfig(&args.kubeconfig)?;
     let (client, _) = client_for(&kubeconfig, &args.context).await?;
     let cluster = collect::cluster_name(&client).await?;
