@@ -150,6 +150,12 @@ impl ClusterTopology {
 
     /// A process of the real pod `namespace/name` (see [`RealNode::pod_process`]).
     pub async fn pod_process(&self, namespace: &str, name: &str) -> anyhow::Result<u32> {
+        Ok(self.pod_processes(namespace, name).await?[0])
+    }
+
+    /// Every process of the real pod `namespace/name`: its sandbox's (pause)
+    /// and each container's, to kill the pod outright.
+    pub async fn pod_processes(&self, namespace: &str, name: &str) -> anyhow::Result<Vec<u32>> {
         use anyhow::Context as _;
         let pod = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(
             self.cluster.client(),
@@ -168,8 +174,12 @@ impl ClusterTopology {
             .iter()
             .find(|n| n.name() == node)
             .with_context(|| format!("{node} is not a real node of this cluster"))?;
-        real.pod_process(&uid)
-            .with_context(|| format!("no process of Pod {namespace}/{name} (uid {uid}) on {node}"))
+        let pids = real.pod_processes(&uid);
+        anyhow::ensure!(
+            !pids.is_empty(),
+            "no process of Pod {namespace}/{name} (uid {uid}) on {node}"
+        );
+        Ok(pids)
     }
 
     /// The real nodes (empty unless the cluster runs them).

@@ -59,6 +59,16 @@ impl NodeCgroup {
     /// A process of the pod with this UID, from the kubelet's pod cgroup
     /// (the pod's own cgroup holds no tasks: its containers' do).
     pub(super) fn pod_process(&self, uid: &str) -> Option<u32> {
+        self.pod_processes(uid).into_iter().next()
+    }
+
+    /// Every process of the pod with `uid` (its sandbox's and each
+    /// container's), by the pod's cgroups.
+    pub(super) fn pod_processes(&self, uid: &str) -> Vec<u32> {
+        self.pod_processes_in(uid).unwrap_or_default()
+    }
+
+    fn pod_processes_in(&self, uid: &str) -> Option<Vec<u32>> {
         let wanted = format!("pod{uid}");
         let pids = self
             .hierarchies
@@ -68,9 +78,12 @@ impl NodeCgroup {
         let pod = cgroup_tree(&kubepods)
             .into_iter()
             .find(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == wanted))?;
-        cgroup_tree(&pod)
-            .iter()
-            .find_map(|dir| cgroup_procs(dir).into_iter().next())
+        Some(
+            cgroup_tree(&pod)
+                .iter()
+                .flat_map(|dir| cgroup_procs(dir))
+                .collect(),
+        )
     }
 
     /// Creates the cgroup; one left by an earlier run that was killed outright

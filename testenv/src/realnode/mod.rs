@@ -230,6 +230,11 @@ impl RealNode {
         self.cgroup.pod_process(uid)
     }
 
+    /// Every process of the pod with `uid` (sandbox and containers).
+    pub fn pod_processes(&self, uid: &str) -> Vec<u32> {
+        self.cgroup.pod_processes(uid)
+    }
+
     /// A file as the node sees it (its own `/etc`, `/opt`, `/run`…), e.g.
     /// the CNI configuration a DaemonSet wrote through a hostPath; `None`
     /// when the node has no such file.
