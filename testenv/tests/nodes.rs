@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
-use strait_testenv::net::{ClusterNetwork, NetPod, root_or_skip};
+use strait_testenv::net::{ClusterNetwork, NetPod, NsId, root_or_skip};
 use strait_testenv::process::{ChildProcess, is_alive};
 use strait_testenv::{ClusterTopology, NetNode};
 
@@ -311,7 +311,7 @@ fn the_isolation_check_sees_a_route_between_clusters() {
 #[derive(Debug)]
 struct Footprint {
     host_interfaces: Vec<String>,
-    netns_ids: Vec<String>,
+    netns: Vec<NsId>,
     pids: Vec<u32>,
 }
 
@@ -338,30 +338,44 @@ fn footprint(
     pods: &[NetPod],
     procs: &[ChildProcess],
 ) -> Footprint {
-    let mut netns_ids = vec![net.netns_id()];
-    netns_ids.extend(nodes.iter().map(NetNode::netns_id));
-    netns_ids.extend(pods.iter().map(NetPod::netns_id));
+    let mut netns = vec![net.netns_id()];
+    netns.extend(nodes.iter().map(NetNode::netns_id));
+    netns.extend(pods.iter().map(NetPod::netns_id));
     let mut pids: Vec<u32> = nodes.iter().map(NetNode::anchor_pid).collect();
     pids.extend(pods.iter().map(NetPod::anchor_pid));
+    let anchors: Vec<NsId> = pids.iter().map(|p| ns_of(*p)).collect();
     pids.extend(procs.iter().filter_map(ChildProcess::pid));
+    // The LAN's anchor is not public: its namespace is found through a holder.
+    let holders = netns_holders_by_inode(&netns);
+    let netns = netns
+        .iter()
+        .map(|inode| {
+            anchors
+                .iter()
+                .chain(holders.iter())
+                .find(|id| &id.inode == inode)
+                .unwrap_or_else(|| panic!("no process found in {inode}"))
+                .clone()
+        })
+        .collect();
     let fp = Footprint {
         host_interfaces: vec![net.host_interface().to_string()],
-        netns_ids,
+        netns,
         pids,
     };
-    assert!(
-        fp.netns_ids.iter().all(|id| id.starts_with("net:[")),
-        "{fp:?}"
-    );
     assert!(
         host_links().contains(&format!(" {}@", fp.host_interfaces[0])),
         "{fp:?} not visible while alive"
     );
     assert!(
-        !netns_holders(&fp.netns_ids).is_empty(),
+        !netns_holders(&fp.netns).is_empty(),
         "holders not found while alive"
     );
     fp
+}
+
+fn ns_of(pid: u32) -> NsId {
+    NsId::of_pid(pid).unwrap_or_else(|| panic!("no network namespace for pid {pid}"))
 }
 
 fn host_links() -> String {
@@ -369,9 +383,10 @@ fn host_links() -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Processes (pid, what) that hold one of these namespaces, as their own
-/// namespace or as an open file descriptor.
-fn netns_holders(ids: &[String]) -> Vec<(String, String)> {
+/// Every `/proc/<pid>/ns/net` and `/proc/<pid>/fd/*` link whose target is one
+/// of these inodes (`net:[…]`): the processes that hold such a namespace, as
+/// their own or as an open file descriptor.
+fn links_to(inodes: &[String]) -> Vec<(String, std::path::PathBuf)> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let pid = entry.file_name().to_string_lossy().into_owned();
@@ -383,15 +398,35 @@ fn netns_holders(ids: &[String]) -> Vec<(String, String)> {
             links.extend(fds.flatten().map(|f| f.path()));
         }
         for link in links {
-            if let Ok(target) = std::fs::read_link(&link) {
-                let target = target.display().to_string();
-                if ids.contains(&target) {
-                    found.push((pid.clone(), target));
-                }
+            if let Ok(target) = std::fs::read_link(&link)
+                && inodes.contains(&target.display().to_string())
+            {
+                found.push((pid.clone(), link));
             }
         }
     }
     found
+}
+
+/// The namespaces (with their cookies) that processes hold under these inodes.
+fn netns_holders_by_inode(inodes: &[String]) -> Vec<NsId> {
+    links_to(inodes)
+        .iter()
+        .filter_map(|(_, link)| NsId::of(link))
+        .collect()
+}
+
+/// Processes (pid, namespace) that hold one of these very namespaces: a
+/// namespace made later under a reused inode number is not one of them.
+fn netns_holders(ids: &[NsId]) -> Vec<(String, String)> {
+    let inodes: Vec<String> = ids.iter().map(|id| id.inode.clone()).collect();
+    links_to(&inodes)
+        .into_iter()
+        .filter_map(|(pid, link)| {
+            let id = NsId::of(&link)?;
+            ids.contains(&id).then(|| (pid, id.to_string()))
+        })
+        .collect()
 }
 
 /// Waits up to 10 s for every trace of the footprint to vanish.
@@ -404,7 +439,7 @@ fn assert_all_gone(fp: &Footprint) {
             .iter()
             .filter(|i| links.contains(&format!(" {i}@")) || links.contains(&format!(" {i}:")))
             .collect();
-        let holders = netns_holders(&fp.netns_ids);
+        let holders = netns_holders(&fp.netns);
         let alive: Vec<u32> = fp.pids.iter().copied().filter(|p| is_alive(*p)).collect();
         if interfaces.is_empty() && holders.is_empty() && alive.is_empty() {
             break;
@@ -495,7 +530,7 @@ fn a_sigkilled_owner_leaves_no_namespace_interface_or_process() {
     let split = |s: &str| -> Vec<String> { s.split(',').map(String::from).collect() };
     let fp = Footprint {
         host_interfaces: split(fields[1]),
-        netns_ids: split(fields[2]),
+        netns: fields[2].split(',').map(|id| id.parse().unwrap()).collect(),
         pids: fields[3].split(',').map(|p| p.parse().unwrap()).collect(),
     };
     holder.kill().expect("SIGKILL the holder"); // no unwinding, no Drop
@@ -512,7 +547,11 @@ fn hold_a_topology_until_killed() -> ! {
     println!(
         "HOLDING {} {} {}",
         fp.host_interfaces.join(","),
-        fp.netns_ids.join(","),
+        fp.netns
+            .iter()
+            .map(NsId::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
         fp.pids
             .iter()
             .map(u32::to_string)
@@ -567,20 +606,12 @@ fn up_with_nodes_serves_kubectl_from_a_node_and_leaves_nothing_when_killed() {
         "kubectl from node 2: {nodes} {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let netns_ids = anchors
-        .iter()
-        .map(|p| {
-            std::fs::read_link(format!("/proc/{p}/ns/net"))
-                .unwrap()
-                .display()
-                .to_string()
-        })
-        .collect();
+    let netns = anchors.iter().map(|p| ns_of(*p)).collect();
     up.kill().expect("SIGKILL up");
     up.wait().unwrap();
     assert_all_gone(&Footprint {
         host_interfaces: vec![host_if],
-        netns_ids,
+        netns,
         pids: anchors,
     });
 }

@@ -33,10 +33,12 @@ use std::sync::{Arc, Mutex, Weak};
 
 mod netns;
 mod node;
+mod nsid;
 
 pub(crate) use netns::Netns;
 use node::NodeInner;
 pub use node::{NetNode, NetPod, RouterForward};
+pub use nsid::NsId;
 
 /// Second octet of the first cluster slot; slots take 10.200.0.0/16 … 10.249.0.0/16,
 /// clear of the service ranges testenv hands out (10.96.0.0/16 and up).
