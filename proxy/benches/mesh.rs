@@ -41,6 +41,10 @@ fn env_or(name: &str, default: &str) -> String {
 
 struct Run {
     label: String,
+    path: String,
+    rate: u32,
+    /// Which interleaved round (set once the round is done).
+    round: usize,
     report: serde_json::Value,
     /// CPU seconds of each measured process (node 1's first).
     cpu: Vec<f64>,
@@ -108,7 +112,7 @@ fn load(
     serde_json::from_slice(&out.stdout).expect("strait-load prints JSON")
 }
 
-fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
+fn measured(path: &str, rate: u32, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
     let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
     let machine_before = machine::Reading::now();
     let report = run();
@@ -119,7 +123,10 @@ fn measured(label: &str, pids: &[u32], run: impl FnOnce() -> serde_json::Value) 
         .map(|(p, b)| cpu_seconds(*p) - b)
         .collect();
     Run {
-        label: label.into(),
+        label: format!("{path} {rate:>6} rps"),
+        path: path.into(),
+        rate,
+        round: 0,
         report,
         cpu,
         rss_kib: pids.iter().map(|p| rss_kib(*p)).sum(),
@@ -163,7 +170,7 @@ async fn main() {
     let relay_pids: Vec<u32> = relay.iter().filter_map(|p| p.pid()).collect();
     let through_haproxy = |mesh: &Mesh, label: &str, pids: &[u32], mode: haproxy::Mode, rate| {
         let entry = SocketAddr::new(IpAddr::V4(node1), mode.entry_port());
-        measured(&format!("{label} {rate:>6} rps"), pids, || {
+        measured(label, rate, pids, || {
             load(mesh, entry, "/bench", "web.shop", rate, secs)
         })
     };
@@ -172,13 +179,14 @@ async fn main() {
     let mut runs = Vec::new();
     // Rounds interleave the paths, so a slow minute of this shared machine
     // hits all of them; the summary takes medians over the rounds.
-    for _ in 0..repeat {
+    for round in 0..repeat {
+        let first_of_round = runs.len();
         for &rate in &rates {
-            runs.push(measured(&format!("direct {rate:>6} rps"), &[], || {
+            runs.push(measured("direct", rate, &[], || {
                 load(&mesh, server, "/bench", "web.shop", rate, secs)
             }));
             let through_strait = |mesh: &Mesh, label: &str| {
-                measured(&format!("{label} {rate:>6} rps"), &pids(mesh), || {
+                measured(label, rate, &pids(mesh), || {
                     load(mesh, strait_entry, url, "web.shop", rate, secs)
                 })
             };
@@ -202,6 +210,9 @@ async fn main() {
                 haproxy::Mode::Relay,
                 rate,
             ));
+        }
+        for r in &mut runs[first_of_round..] {
+            r.round = round;
         }
     }
     // A broken comparison must say why, not print zeros.
@@ -282,14 +293,14 @@ async fn main() {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "path": r.label, "load": r.report, "cpu_seconds": r.cpu,
+                    "path": r.path, "rate": r.rate, "round": r.round, "load": r.report, "cpu_seconds": r.cpu,
                     "cpu_per_1k_rps": r.per_k(secs), "rss_kib": r.rss_kib,
                     "cpu_wait": r.machine.cpu_wait, "steal": r.machine.steal,
                 })
             })
             .collect();
         let doc = serde_json::json!({"bench": "mesh", "secs": secs, "repeat": repeat,
-            "threads": haproxy::threads(), "runs": raw});
+            "threads": haproxy::threads(), "runs": raw, "goals": goals(&runs, &rates, secs)});
         std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("raw results: {file}");
     }
@@ -356,6 +367,112 @@ async fn main() {
             );
         }
     }
+    print_goals(&goals(&runs, &rates, secs));
     drop(haproxy);
     drop(relay);
+}
+
+/// One path at one rate, medians over the rounds.
+struct Medians {
+    /// vCPU per 1 000 rps of each proxy (node 1's first).
+    cpu_per_node: Vec<f64>,
+    /// p99 over the same round's direct path.
+    added_p99_ms: f64,
+    rss_kib: f64,
+}
+
+fn medians(runs: &[Run], path: &str, rate: u32, secs: u64) -> Option<Medians> {
+    let same: Vec<&Run> = runs
+        .iter()
+        .filter(|r| r.path == path && r.rate == rate)
+        .collect();
+    if same.is_empty() {
+        return None;
+    }
+    let direct = |round: usize| {
+        runs.iter()
+            .find(|d| d.path == "direct" && d.rate == rate && d.round == round)
+            .map_or(0.0, |d| d.ms("p99_ms"))
+    };
+    let nodes = same.iter().map(|r| r.cpu.len()).min().unwrap_or(0);
+    Some(Medians {
+        cpu_per_node: (0..nodes)
+            .map(|n| median(same.iter().map(|r| r.per_k(secs)[n]).collect()))
+            .collect(),
+        added_p99_ms: median(
+            same.iter()
+                .map(|r| r.ms("p99_ms") - direct(r.round))
+                .collect(),
+        ),
+        rss_kib: median(same.iter().map(|r| r.rss_kib as f64).collect()),
+    })
+}
+
+/// The issue's goals for the node proxy pair, as ratios against the
+/// references of the same run (medians over the rounds): CPU per 1 000 rps of
+/// each proxy against the haproxy TLS pair's proxy on the same node, added p99
+/// against the null relay's, RSS of the pair against the haproxy pair's.
+fn goals(runs: &[Run], rates: &[u32], secs: u64) -> serde_json::Value {
+    let mut out = Vec::new();
+    for &rate in rates {
+        let (Some(strait), Some(haproxy), Some(relay)) = (
+            medians(runs, "strait-proxy", rate, secs),
+            medians(runs, "haproxy+TLS", rate, secs),
+            medians(runs, "null relay", rate, secs),
+        ) else {
+            continue;
+        };
+        let cpu: Vec<f64> = strait
+            .cpu_per_node
+            .iter()
+            .zip(&haproxy.cpu_per_node)
+            .map(|(s, h)| s / h)
+            .collect();
+        out.push(serde_json::json!({
+            "rate": rate,
+            "cpu_per_proxy_vs_haproxy_tls": cpu,
+            "cpu_per_proxy_goal": 0.9,
+            "added_p99_ms": strait.added_p99_ms,
+            "null_relay_added_p99_ms": relay.added_p99_ms,
+            "added_p99_vs_null_relay": strait.added_p99_ms / relay.added_p99_ms,
+            "added_p99_goal": 1.25,
+            "rss_vs_haproxy_tls": strait.rss_kib / haproxy.rss_kib,
+            "rss_goal": 1.0,
+        }));
+    }
+    serde_json::Value::Array(out)
+}
+
+fn print_goals(goals: &serde_json::Value) {
+    let Some(goals) = goals.as_array().filter(|g| !g.is_empty()) else {
+        return;
+    };
+    println!(
+        "
+goals (medians; ratio of strait-proxy to its reference in this run):"
+    );
+    let mark = |ok: bool| if ok { "met" } else { "NOT met" };
+    for g in goals {
+        let f = |k: &str| g[k].as_f64().unwrap_or(f64::NAN);
+        let cpu: Vec<f64> = g["cpu_per_proxy_vs_haproxy_tls"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default();
+        let worst = cpu.iter().copied().fold(f64::NAN, f64::max);
+        println!(
+            "  {:>6} rps  CPU per proxy / haproxy+TLS: {} (≤ 0.90: {})   added p99 / null relay: {:.2} ({:.2} / {:.2} ms; ≤ 1.25: {})   RSS / haproxy+TLS: {:.2} (≤ 1.00: {})",
+            g["rate"],
+            cpu.iter()
+                .map(|c| format!("{c:.2}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            mark(worst <= 0.9),
+            f("added_p99_vs_null_relay"),
+            f("added_p99_ms"),
+            f("null_relay_added_p99_ms"),
+            mark(f("added_p99_vs_null_relay") <= 1.25),
+            f("rss_vs_haproxy_tls"),
+            mark(f("rss_vs_haproxy_tls") <= 1.0),
+        );
+    }
 }

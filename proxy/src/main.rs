@@ -135,6 +135,18 @@ struct Args {
         default_value = "per-core"
     )]
     runtime: RuntimeModel,
+    /// How HTTP/1 callers' requests travel to other node proxies and through
+    /// gateways: `multiplexed` = as HTTP/2 streams over one tunnel per caller
+    /// and endpoint (the receiving proxy speaks HTTP/1 to the pod); `per-connection`
+    /// = one tunnel per pooled HTTP/1 connection. A receiver that predates
+    /// multiplexing refuses it and gets per-connection tunnels.
+    #[arg(
+        long,
+        env = "STRAIT_PROXY_HTTP1_TUNNELS",
+        value_enum,
+        default_value = "per-connection"
+    )]
+    http1_tunnels: strait_proxy::outbound::Http1Tunnels,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -222,6 +234,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         view.clone(),
         metrics.clone(),
         Some(gateways),
+        args.http1_tunnels,
     );
     forget_gone(outbound.clone(), discovery.updates());
     follow_pods(identities.clone(), discovery.updates());

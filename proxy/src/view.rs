@@ -93,6 +93,15 @@ impl Endpoint {
     pub fn is_remote(&self) -> bool {
         matches!(self.via, Via::Gateway { .. })
     }
+
+    /// The first hop a tunnel to this endpoint opens to: its node proxy, or
+    /// the remote gateway (whose address is the endpoint's).
+    pub fn hop(&self) -> SocketAddr {
+        match self.via {
+            Via::NodeProxy(proxy) => proxy,
+            Via::Gateway { .. } => self.addr,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

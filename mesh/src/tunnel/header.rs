@@ -26,6 +26,12 @@ pub(crate) mod field {
     /// node proxy and the destination's follows the answer (a receiver that
     /// does not know it must refuse, not deliver TLS bytes to a pod).
     pub const END_TO_END: u8 = 0x85;
+    /// Critical, empty, only beside protocol `2` (HTTP/2): the HTTP/2 in the
+    /// tunnel carries HTTP/1 callers' requests, which the receiver sends on
+    /// to the pod as HTTP/1 (see [`super::Protocol::Http1Multiplexed`]). A
+    /// receiver that does not know it refuses, instead of speaking HTTP/2 to
+    /// an HTTP/1 pod.
+    pub const POD_HTTP1: u8 = 0x86;
 }
 
 /// Opens every tunnelled connection: where the bytes go, on whose behalf, and
@@ -64,6 +70,10 @@ pub enum Protocol {
     Http1,
     /// HTTP/2 with prior knowledge (h2c inside the tunnel, gRPC).
     Http2,
+    /// HTTP/2 in the tunnel, HTTP/1 at the pod: many HTTP/1 callers'
+    /// requests multiplexed over one tunnel between node proxies. On the wire
+    /// protocol `2` with the critical field `POD_HTTP1`.
+    Http1Multiplexed,
 }
 
 impl Protocol {
@@ -71,7 +81,15 @@ impl Protocol {
         match self {
             Protocol::Opaque => 0,
             Protocol::Http1 => 1,
-            Protocol::Http2 => 2,
+            Protocol::Http2 | Protocol::Http1Multiplexed => 2,
+        }
+    }
+
+    /// What the tunnel itself carries: HTTP/2 for both HTTP/2 kinds.
+    pub fn in_tunnel(self) -> Protocol {
+        match self {
+            Protocol::Http1Multiplexed => Protocol::Http2,
+            other => other,
         }
     }
 
@@ -230,6 +248,9 @@ impl TunnelHeader {
                 wire::put_field(out, field::SOURCE_IDENTITY, source.to_string().as_bytes());
             }
             wire::put_field(out, field::PROTOCOL, &[self.protocol.code()]);
+            if self.protocol == Protocol::Http1Multiplexed {
+                wire::put_field(out, field::POD_HTTP1, &[]);
+            }
             if self.end_to_end {
                 wire::put_field(out, field::END_TO_END, &[]);
             }
@@ -251,6 +272,7 @@ impl TunnelHeader {
         let mut source = None;
         let mut protocol = None;
         let mut end_to_end = false;
+        let mut pod_http1 = false;
         for f in wire::fields(Kind::Header, body) {
             let f = f?;
             match f.ty {
@@ -288,6 +310,20 @@ impl TunnelHeader {
                         });
                     }
                 }
+                field::POD_HTTP1 => {
+                    if !f.value.is_empty() {
+                        return Err(malformed(format!(
+                            "pod-HTTP/1 field is {} bytes, expected 0",
+                            f.value.len()
+                        )));
+                    }
+                    if std::mem::replace(&mut pod_http1, true) {
+                        return Err(HeaderError::DuplicateField {
+                            kind: Kind::Header,
+                            field: "pod-HTTP/1",
+                        });
+                    }
+                }
                 field::END_TO_END => {
                     if !f.value.is_empty() {
                         return Err(malformed(format!(
@@ -316,11 +352,21 @@ impl TunnelHeader {
             kind: Kind::Header,
             field: "target (pod or service)",
         })?;
+        let protocol = match (protocol.unwrap_or_default(), pod_http1) {
+            (Protocol::Http2, true) => Protocol::Http1Multiplexed,
+            (other, true) => {
+                return Err(malformed(format!(
+                    "pod-HTTP/1 field with protocol {}, expected 2 (HTTP/2)",
+                    other.code()
+                )));
+            }
+            (protocol, false) => protocol,
+        };
         Ok((
             Self {
                 target,
                 source,
-                protocol: protocol.unwrap_or_default(),
+                protocol,
                 end_to_end,
             },
             consumed,

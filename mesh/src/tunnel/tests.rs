@@ -75,7 +75,12 @@ impl Gen {
             )
             .unwrap()
         });
-        let protocol = [Protocol::Opaque, Protocol::Http1, Protocol::Http2][self.below(3) as usize];
+        let protocol = [
+            Protocol::Opaque,
+            Protocol::Http1,
+            Protocol::Http2,
+            Protocol::Http1Multiplexed,
+        ][self.below(4) as usize];
         TunnelHeader {
             target,
             source,
@@ -273,6 +278,40 @@ fn oversize_is_refused_from_the_prefix_alone() {
     let bytes = frame(1, &[POD_FIELD, (0x70, &pad)]);
     assert_eq!(bytes.len(), MAX_HEADER_BYTES);
     assert!(TunnelHeader::decode(&bytes).is_ok());
+}
+
+#[test]
+fn http1_multiplexed_is_http2_with_a_critical_field_and_only_that() {
+    let header = TunnelHeader::new(pod().target, Protocol::Http1Multiplexed);
+    let bytes = header.encode();
+    assert_eq!(
+        &bytes[bytes.len() - 7..],
+        &[0x04, 0, 1, 2, 0x86, 0, 0],
+        "protocol 2, then the empty critical field"
+    );
+    assert_eq!(TunnelHeader::decode(&bytes).unwrap().0, header);
+    assert_eq!(Protocol::Http1Multiplexed.in_tunnel(), Protocol::Http2);
+    // A receiver that predates it refuses the critical field, never serving
+    // HTTP/2 to an HTTP/1 pod (what this version does with a 0x87 field).
+    let mut newer = bytes.to_vec();
+    let at = newer.len() - 3;
+    newer[at] = 0x87;
+    assert!(matches!(
+        TunnelHeader::decode(&newer).unwrap_err(),
+        HeaderError::UnknownCriticalField { ty: 0x87, .. }
+    ));
+    // Only beside HTTP/2, once, empty.
+    for fields in [
+        &[POD_FIELD, (0x04, &[1][..]), (0x86, b"")][..],
+        &[POD_FIELD, (0x86, b"")][..],
+        &[POD_FIELD, (0x04, &[2][..]), (0x86, b"x")][..],
+        &[POD_FIELD, (0x04, &[2][..]), (0x86, b""), (0x86, b"")][..],
+    ] {
+        assert!(
+            TunnelHeader::decode(&frame(1, fields)).is_err(),
+            "{fields:?}"
+        );
+    }
 }
 
 #[test]

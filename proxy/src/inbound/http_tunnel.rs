@@ -1,6 +1,9 @@
 //! HTTP in an inbound tunnel: served by the proxy's own HTTP server, each
-//! request sent on over one connection to the pod with the caller's proven
-//! identity in `strait-client-id` (whatever the caller put there is replaced).
+//! request sent on to the pod with the caller's proven identity in
+//! `strait-client-id` (whatever the caller put there is replaced). HTTP/1 and
+//! HTTP/2 tunnels go over one connection to the pod in the same version; a
+//! multiplexed HTTP/1 tunnel (HTTP/2 in the tunnel) over as many HTTP/1
+//! connections to the pod as it has requests at once, kept for the tunnel.
 
 use std::sync::Arc;
 
@@ -39,6 +42,17 @@ where
                     .map_err(|e| format!("HTTP/2 to pod {pod:?}: {e}"))?;
             (PodSender::H2(sender), Box::pin(quietly(conn)))
         }
+        Protocol::Http1Multiplexed => {
+            let connector = PodConnector {
+                pod: pod.ok_or("the pod connection has no peer address")?,
+                first: Arc::new(std::sync::Mutex::new(Some(upstream))),
+            };
+            let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(POD_IDLE_TIMEOUT)
+                .pool_timer(hyper_util::rt::TokioTimer::new())
+                .build(connector);
+            (PodSender::Pool(Arc::new(client)), Box::pin(async {}))
+        }
         _ => {
             let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
                 .await
@@ -49,7 +63,7 @@ where
             )
         }
     };
-    let h1 = protocol != Protocol::Http2;
+    let h1 = protocol.in_tunnel() == Protocol::Http1;
     let closing = drain.clone();
     let service =
         hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
@@ -61,8 +75,17 @@ where
                 series.request();
                 let started = std::time::Instant::now();
                 let result = match sender {
-                    PodSender::H1(s) => s.lock().await.send_request(req).await,
-                    PodSender::H2(mut s) => s.send_request(req).await,
+                    PodSender::H1(s) => s
+                        .lock()
+                        .await
+                        .send_request(req)
+                        .await
+                        .map_err(PodError::from),
+                    PodSender::H2(mut s) => s.send_request(req).await.map_err(PodError::from),
+                    PodSender::Pool(client) => {
+                        *req.version_mut() = http::Version::HTTP_11;
+                        client.request(req).await.map_err(PodError::Pool)
+                    }
                 };
                 series.response(
                     result.as_ref().ok().map(|r| r.status()),
@@ -89,7 +112,7 @@ where
         });
     let io = TokioIo::new(tunnel);
     let tunnel = async move {
-        match protocol {
+        match protocol.in_tunnel() {
             Protocol::Http2 => {
                 let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .serve_connection(io, service);
@@ -127,4 +150,58 @@ enum PodSender {
     /// One HTTP/1 connection: requests in turn.
     H1(Arc<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<hyper::body::Incoming>>>),
     H2(hyper::client::conn::http2::SendRequest<hyper::body::Incoming>),
+    /// HTTP/1 connections to the pod, as many as the tunnel has requests at
+    /// once (a multiplexed HTTP/1 tunnel).
+    Pool(Arc<hyper_util::client::legacy::Client<PodConnector, hyper::body::Incoming>>),
+}
+
+/// How long one of a multiplexed tunnel's pod connections may sit idle.
+const POD_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Why a request got no answer from the pod.
+#[derive(Debug, thiserror::Error)]
+enum PodError {
+    #[error(transparent)]
+    Connection(#[from] hyper::Error),
+    #[error("{0}")]
+    Pool(hyper_util::client::legacy::Error),
+}
+
+/// Connections to one pod: first the one opened while admitting the tunnel
+/// (so a pod that does not accept is refused before any answer), then new ones.
+#[derive(Clone)]
+struct PodConnector {
+    pod: std::net::SocketAddr,
+    first: Arc<std::sync::Mutex<Option<TcpStream>>>,
+}
+
+impl tower_service::Service<http::Uri> for PodConnector {
+    type Response = hyper_util::rt::TokioIo<TcpStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: http::Uri) -> Self::Future {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let pod = self.pod;
+        Box::pin(async move {
+            let stream = match first {
+                Some(stream) => stream,
+                None => {
+                    let stream = TcpStream::connect(pod).await?;
+                    stream.set_nodelay(true)?;
+                    stream
+                }
+            };
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
+    }
 }

@@ -216,7 +216,7 @@ impl Inbound {
             // The sender detected HTTP (or was told by its client): no second
             // detection here. Requests are counted per caller, and the pod
             // learns who called (CLIENT_ID_HEADER), which no one else can set.
-            Protocol::Http1 | Protocol::Http2 => {
+            Protocol::Http1 | Protocol::Http2 | Protocol::Http1Multiplexed => {
                 let series = self.metrics.http(&labels);
                 let result = serve_http(tls, upstream, protocol, &caller, series, &drain).await;
                 self.metrics.tcp_close(&labels, 0, 0);

@@ -14,15 +14,19 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::CaptureConnection;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use strait_mesh::tunnel::Protocol;
+use strait_mesh::tunnel::client::TunnelError;
+use strait_mesh::tunnel::{Protocol, ResponseStatus};
 
-use super::pool::{EndpointConnector, FallbackTcp};
+use super::pool::{EndpointConnector, FallbackTcp, H2Slot};
 use super::{Body, Caller, Outbound, POOL_IDLE_TIMEOUT, empty_body, text};
 use crate::retry::{BudgetConfig, RetryBudget};
 use crate::view::{Endpoint, Resolved};
 
 /// Attempts per request, the first included.
 const MAX_ATTEMPTS: u32 = 3;
+/// How long a hop that refused a multiplexed HTTP/1 tunnel gets per-connection
+/// tunnels before it is asked again (a rollout replaces it within minutes).
+const PER_CONNECTION_FOR: std::time::Duration = std::time::Duration::from_secs(300);
 /// Answers that mean "this endpoint could not serve it; another may".
 const RETRYABLE_STATUSES: [StatusCode; 3] = [
     StatusCode::BAD_GATEWAY,
@@ -225,7 +229,10 @@ impl Outbound {
             let started = Instant::now();
             let guard = self.balancer.start(&endpoint);
             let result = if http2 {
-                self.send_h2(&caller, &endpoint, request).await
+                self.send_h2(&caller, &endpoint, request, Protocol::Http2)
+                    .await
+            } else if self.multiplexes(&endpoint) {
+                self.send_h1_multiplexed(&caller, &endpoint, request).await
             } else {
                 self.send_h1(&caller, &endpoint, request).await
             };
@@ -323,31 +330,123 @@ impl Outbound {
         caller: &Caller,
         endpoint: &Endpoint,
         request: Request<Body>,
+        protocol: Protocol,
     ) -> Result<Response<Incoming>, SendError> {
-        let key = Self::pool_key(caller, endpoint);
-        let mut sender = match self.http2.get(&key, |s| !s.is_closed()) {
-            Some(sender) => sender,
-            None => {
-                let tunnel = self
-                    .opener
-                    .open(&caller.identity, endpoint, Protocol::Http2)
-                    .await
-                    .map_err(SendError::connect)?;
-                let (sender, connection) =
-                    hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-                        .handshake(TokioIo::new(tunnel))
-                        .await
-                        .map_err(SendError::connect)?;
-                let pod = endpoint.addr;
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        tracing::debug!(%pod, "HTTP/2 tunnel: {e}");
-                    }
-                });
-                self.http2.insert(key, sender.clone());
-                sender
+        match self.h2_sender(caller, endpoint, protocol).await? {
+            Some(sender) => Self::send_on(sender, request).await,
+            None => Err(SendError {
+                connect: true,
+                timed_out: false,
+                message: format!("{} does not accept HTTP/2 tunnels", endpoint.addr),
+            }),
+        }
+    }
+
+    /// Sends an HTTP/1 caller's request as an HTTP/2 stream over the caller's
+    /// multiplexed tunnel to the endpoint (HTTP/1 again at the pod); over a
+    /// tunnel of its own if the hop there predates multiplexing.
+    async fn send_h1_multiplexed(
+        &self,
+        caller: &Caller,
+        endpoint: &Endpoint,
+        mut request: Request<Body>,
+    ) -> Result<Response<Incoming>, SendError> {
+        match self
+            .h2_sender(caller, endpoint, Protocol::Http1Multiplexed)
+            .await?
+        {
+            Some(sender) => {
+                *request.version_mut() = http::Version::HTTP_2;
+                let mut response = Self::send_on(sender, request).await?;
+                // Answered to an HTTP/1 caller (its connection's own version).
+                *response.version_mut() = http::Version::HTTP_11;
+                Ok(response)
             }
+            None => self.send_h1(caller, endpoint, request).await,
+        }
+    }
+
+    /// Whether HTTP/1 requests to `endpoint` go multiplexed: so configured,
+    /// and its hop has not refused it lately.
+    fn multiplexes(&self, endpoint: &Endpoint) -> bool {
+        if self.http1_tunnels != super::Http1Tunnels::Multiplexed {
+            return false;
+        }
+        let hop = endpoint.hop();
+        let mut refused = self
+            .per_connection_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match refused.get(&hop) {
+            Some(until) if Instant::now() < *until => false,
+            Some(_) => {
+                refused.remove(&hop);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// The caller's multiplexed tunnel to the endpoint carrying `protocol`,
+    /// opened (or a closed one replaced) first; `None` when the hop refused
+    /// the header as one it cannot read (a version before
+    /// [`Protocol::Http1Multiplexed`]: remembered for [`PER_CONNECTION_FOR`]).
+    async fn h2_sender(
+        &self,
+        caller: &Caller,
+        endpoint: &Endpoint,
+        protocol: Protocol,
+    ) -> Result<Option<hyper::client::conn::http2::SendRequest<Body>>, SendError> {
+        let pools = if protocol == Protocol::Http2 {
+            &self.http2
+        } else {
+            &self.http1_multiplexed
         };
+        // One tunnel per key: the first request opens it while the others
+        // wait on the slot, then all share it.
+        let slot =
+            pools.get_or_insert(&Self::pool_key(caller, endpoint), |_| true, H2Slot::default);
+        let mut slot = slot.lock().await;
+        if let Some(sender) = slot.as_ref().filter(|s| !s.is_closed()) {
+            return Ok(Some(sender.clone()));
+        }
+        let tunnel = match self.opener.open(&caller.identity, endpoint, protocol).await {
+            Ok(tunnel) => tunnel,
+            Err(TunnelError::Refused {
+                status: ResponseStatus::BadHeader,
+                message,
+                ..
+            }) if protocol == Protocol::Http1Multiplexed => {
+                tracing::info!(
+                    hop = %endpoint.hop(),
+                    "HTTP/1 multiplexing refused ({message}): per-connection tunnels there for {PER_CONNECTION_FOR:?}"
+                );
+                self.per_connection_until
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(endpoint.hop(), Instant::now() + PER_CONNECTION_FOR);
+                return Ok(None);
+            }
+            Err(e) => return Err(SendError::connect(e)),
+        };
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .handshake(TokioIo::new(tunnel))
+            .await
+            .map_err(SendError::connect)?;
+        let pod = endpoint.addr;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(%pod, "HTTP/2 tunnel: {e}");
+            }
+        });
+        *slot = Some(sender.clone());
+        Ok(Some(sender))
+    }
+
+    async fn send_on(
+        mut sender: hyper::client::conn::http2::SendRequest<Body>,
+        request: Request<Body>,
+    ) -> Result<Response<Incoming>, SendError> {
         sender.ready().await.map_err(SendError::connect)?;
         sender.send_request(request).await.map_err(|e| SendError {
             connect: false,

@@ -34,7 +34,7 @@ use crate::identity::PodIdentities;
 use crate::metrics::{ProxyMetrics, TcpLabels};
 use crate::retry::RetryBudget;
 use crate::view::{Destinations, Endpoint, LocalPod, ResolveError};
-use pool::{EndpointConnector, Opener, PoolKey, Pools, TunnelStream};
+use pool::{EndpointConnector, H2Slot, Opener, PoolKey, Pools, TunnelStream};
 use strait_mesh::limits::ConnLimit;
 
 /// How long a pod may take to send a request head, and how long a kept-alive
@@ -63,10 +63,29 @@ pub struct Outbound {
     /// Pooling HTTP/1 clients, one per caller and endpoint.
     http1: Pools<Client<EndpointConnector, Body>>,
     /// HTTP/2 connections (one multiplexed tunnel per caller and endpoint).
-    http2: Pools<hyper::client::conn::http2::SendRequest<Body>>,
+    http2: Pools<H2Slot<Body>>,
+    /// HTTP/1 callers' requests as HTTP/2 (one multiplexed tunnel per caller
+    /// and endpoint, HTTP/1 again at the pod), with [`Http1Tunnels::Multiplexed`].
+    http1_multiplexed: Pools<H2Slot<Body>>,
+    http1_tunnels: Http1Tunnels,
+    /// Hops (node proxies, gateways) that refused a multiplexed tunnel (a
+    /// version that predates it), until when they get per-connection tunnels.
+    per_connection_until: Arc<Mutex<std::collections::HashMap<std::net::SocketAddr, Instant>>>,
     /// One retry budget per destination (`host:port` as the caller named it),
     /// shared by every worker thread's `Outbound`: the budget is the proxy's.
     budgets: Arc<Mutex<std::collections::HashMap<String, Arc<RetryBudget>>>>,
+}
+
+/// How HTTP/1 callers' requests travel between node proxies (and through
+/// gateways).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Http1Tunnels {
+    /// One tunnel per pooled HTTP/1 connection.
+    #[default]
+    PerConnection,
+    /// HTTP/2 streams over one tunnel per caller and endpoint; HTTP/1 again
+    /// from the receiving node proxy to the pod.
+    Multiplexed,
 }
 
 /// What a pod's connection past the outbound port's connection limit reads
@@ -131,6 +150,7 @@ impl Outbound {
         destinations: Arc<dyn Destinations>,
         metrics: ProxyMetrics,
         gateways: Option<Arc<strait_mesh::tunnel::quic::GatewayClient>>,
+        http1_tunnels: Http1Tunnels,
     ) -> Arc<Self> {
         Arc::new(Self {
             node: node.to_string(),
@@ -141,6 +161,9 @@ impl Outbound {
             balancer: Balancer::default(),
             http1: Pools::default(),
             http2: Pools::default(),
+            http1_multiplexed: Pools::default(),
+            http1_tunnels,
+            per_connection_until: Arc::default(),
             budgets: Arc::default(),
         })
     }
@@ -159,6 +182,9 @@ impl Outbound {
             balancer: Balancer::default(),
             http1: Pools::default(),
             http2: Pools::default(),
+            http1_multiplexed: Pools::default(),
+            http1_tunnels: self.http1_tunnels,
+            per_connection_until: self.per_connection_until.clone(),
             budgets: self.budgets.clone(),
         })
     }
@@ -169,11 +195,13 @@ impl Outbound {
     pub fn retain_endpoints(&self, keep: impl Fn(&Endpoint) -> bool) {
         let now = Instant::now();
         self.http1.retain(|e, _| keep(e), POOL_IDLE_TIMEOUT, now);
-        self.http2.retain(
-            |e, sender| keep(e) && !sender.is_closed(),
-            POOL_IDLE_TIMEOUT,
-            now,
-        );
+        for pools in [&self.http2, &self.http1_multiplexed] {
+            pools.retain(
+                |e, slot| keep(e) && pool::slot_in_use(slot),
+                POOL_IDLE_TIMEOUT,
+                now,
+            );
+        }
     }
 
     /// Serves the node's pods until the drain starts.

@@ -169,6 +169,17 @@ impl ConfigCache {
     }
 }
 
+/// A multiplexed tunnel's HTTP/2 sender, once opened; the lock is held while
+/// it is being opened, so concurrent first requests share one tunnel.
+pub(super) type H2Slot<B> =
+    Arc<tokio::sync::Mutex<Option<hyper::client::conn::http2::SendRequest<B>>>>;
+
+/// Whether a slot may be kept: being opened, or open.
+pub(super) fn slot_in_use<B>(slot: &H2Slot<B>) -> bool {
+    slot.try_lock()
+        .map_or(true, |s| s.as_ref().is_some_and(|s| !s.is_closed()))
+}
+
 /// What a pooled connection is for: one caller's identity to one endpoint
 /// (a pod behind its node proxy, or a remote Service behind a gateway).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -209,14 +220,16 @@ impl<T: Clone> Pools<T> {
     }
 
     /// The entry for `key` if `usable` accepts it (marked used now).
-    pub(super) fn get(&self, key: &PoolKey, usable: impl Fn(&T) -> bool) -> Option<T> {
+    #[cfg(test)]
+    fn get(&self, key: &PoolKey, usable: impl Fn(&T) -> bool) -> Option<T> {
         let mut pools = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let (value, used) = pools.get_mut(key).filter(|(v, _)| usable(v))?;
         *used = Instant::now();
         Some(value.clone())
     }
 
-    pub(super) fn insert(&self, key: PoolKey, value: T) {
+    #[cfg(test)]
+    fn insert(&self, key: PoolKey, value: T) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
