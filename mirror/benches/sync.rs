@@ -196,6 +196,11 @@ async fn main() {
         pct(0.5),
         pct(0.99)
     );
+    let mut results = serde_json::json!({
+        "bench": "sync",
+        "latency": {"n": n, "p50_ms": pct(0.5), "p99_ms": pct(0.99)},
+        "syncs": [],
+    });
 
     // 2. Initial sync.
     for size in env_or("STRAIT_BENCH_SYNC_N", "1000,10000")
@@ -253,6 +258,11 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let took = start.elapsed();
+        let cpu_spent = (
+            cpu(&[env.controller.pid().unwrap()]) - cpu_before.0,
+            cpu(&env.east.pids()) - cpu_before.1,
+            cpu(&env.west.pids()) - cpu_before.2,
+        );
         let listed = count_mirrors(&ec, &label).await;
         assert!(
             listed >= size,
@@ -268,10 +278,20 @@ async fn main() {
             took.as_secs_f64() / floor_secs,
             peak / 1024,
             rss_before / 1024,
-            cpu(&[env.controller.pid().unwrap()]) - cpu_before.0,
-            cpu(&env.east.pids()) - cpu_before.1,
-            cpu(&env.west.pids()) - cpu_before.2,
+            cpu_spent.0,
+            cpu_spent.1,
+            cpu_spent.2,
         );
+        let ratio = took.as_secs_f64() / floor_secs;
+        println!(
+            "  sync / floor at {size}: {ratio:.2} (goal ≤ 1.20: {})",
+            if ratio <= 1.2 { "met" } else { "NOT met" }
+        );
+        results["syncs"].as_array_mut().unwrap().push(json!({
+            "services": size, "sync_secs": took.as_secs_f64(), "floor_secs": floor_secs,
+            "ratio": ratio, "rss_peak_kib": peak, "rss_before_kib": rss_before,
+            "cpu_seconds": {"controller": cpu_spent.0, "east": cpu_spent.1, "west": cpu_spent.2},
+        }));
     }
 
     // 3. Idle writes.
@@ -324,6 +344,7 @@ async fn main() {
         "API writes during {idle} s idle ({} objects watched): {writes}",
         before.len()
     );
+    results["idle"] = json!({"secs": idle, "objects": before.len(), "writes": writes});
 
     // 4. West's API server restarted: every watch of it relists.
     let before = versions().await;
@@ -343,5 +364,10 @@ async fn main() {
         before.len(),
         rewritten.iter().take(5).collect::<Vec<_>>()
     );
+    results["relist"] = json!({"objects": before.len(), "rewritten": rewritten.len()});
+    if let Ok(file) = std::env::var("STRAIT_BENCH_JSON") {
+        std::fs::write(&file, serde_json::to_string_pretty(&results).unwrap()).unwrap();
+        println!("raw results: {file}");
+    }
     let _ = &env.dir;
 }

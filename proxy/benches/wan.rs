@@ -55,12 +55,32 @@ const URL: &str = "http://web-west.shop.svc.cluster.local/bench";
 fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
     let client = &east.pods["client"].0;
     let proxy = SocketAddr::new(IpAddr::V4(client.node().ip()), 4140);
+    load_from(
+        client,
+        proxy,
+        URL,
+        "web-west.shop.svc.cluster.local",
+        rate,
+        secs,
+    )
+}
+
+/// strait-load in pod `client`, connecting to `connect` with request target
+/// `uri` (absolute through a proxy, a path when direct).
+fn load_from(
+    client: &strait_testenv::NetPod,
+    connect: SocketAddr,
+    uri: &str,
+    host: &str,
+    rate: u32,
+    secs: u64,
+) -> serde_json::Value {
     let out = client
         .command(workspace_binary("strait-load"))
         .args([
-            format!("--connect={proxy}"),
-            format!("--uri={URL}"),
-            "--host=web-west.shop.svc.cluster.local".into(),
+            format!("--connect={connect}"),
+            format!("--uri={uri}"),
+            format!("--host={host}"),
             format!("--rate={rate}"),
             "--connections=100".into(),
             format!("--duration={secs}s"),
@@ -230,7 +250,7 @@ async fn main() {
     // Bulk, unshaped: one iperf3 stream from east's client pod through CONNECT
     // on its node proxy, over QUIC to the west gateway, to an iperf3 pod in
     // west. (socat is the CONNECT shim in the client pod, as in bench-bulk.)
-    let (_iperf_pod, _iperf_server) = iperf_server(&west, 0, ("echo", 9000)).await;
+    let (iperf_pod, _iperf_server) = iperf_server(&west, 0, ("echo", 9000)).await;
     export(&west_api, "iperf", true).await;
     mirror_service(
         &east_api,
@@ -288,6 +308,7 @@ async fn main() {
         iperf(&app, MIRROR, 9000, 1)
     })
     .await;
+    let goal_results = goals(&mut west, &east, &wan, &gw_pod, &app, &iperf_pod, secs).await;
     // Each run with the gateway's streams by transport during it: a QUIC run
     // that fell back to TCP (or the reverse) measured the other transport.
     let streams = || async {
@@ -478,7 +499,247 @@ async fn main() {
         median(quic_setup),
         median(tcp_setup)
     );
-    end_to_end_cost(&mut east, &mut west, gw_pid, secs).await;
+    let e2e = end_to_end_cost(&mut east, &mut west, gw_pid, secs).await;
+    if let Ok(file) = std::env::var("STRAIT_BENCH_JSON") {
+        let doc = serde_json::json!({
+            "bench": "wan", "secs": secs, "goals": goal_results,
+            "shaped": all.iter().map(|(label, rate, r, cpu, (quic, tcp))| serde_json::json!({
+                "transport": label, "rate": rate, "load": r, "gateway_cpu_seconds": cpu,
+                "gateway_streams": {"quic": quic, "tcp": tcp},
+            })).collect::<Vec<_>>(),
+            "end_to_end": e2e,
+        });
+        std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        println!("raw results: {file}");
+    }
+}
+
+/// The issue's goals for the gateway, unshaped, in interleaved rounds
+/// (`STRAIT_BENCH_REPEAT`, 3), with the gateway's streams by transport
+/// checked for every run:
+/// - bulk: one iperf3 stream from a transparent pod in east through its node
+///   proxy, the gateway and west's node proxy to the iperf3 pod, over QUIC and
+///   over the TCP+TLS fallback (UDP blocked), beside pod to pod directly in
+///   west (client on node 1 → iperf3 pod on node 0);
+/// - latency at `STRAIT_BENCH_GOAL_RATE` (1 000) rps, 100 connections, 1 KiB
+///   bodies, to one pod (`solo-1`, west node 0) from west's client pod
+///   (node 1): directly, through west's node proxy pair, and from east's
+///   client pod through east's proxy, the gateway (QUIC) and west's proxy.
+///   Added p99 = p99 − the same round's direct p99.
+async fn goals(
+    west: &mut Mesh,
+    east: &Mesh,
+    wan: &Wan,
+    gw_pod: &strait_testenv::NetPod,
+    app: &strait_testenv::NetPod,
+    iperf_pod: &strait_testenv::NetPod,
+    secs: u64,
+) -> serde_json::Value {
+    let rounds: usize = env_or("STRAIT_BENCH_REPEAT", 3);
+    let rate: u32 = env_or("STRAIT_BENCH_GOAL_RATE", 1000);
+    let west_api = west.topology.cluster().client();
+    let east_api = east.topology.cluster().client();
+    backend(west, 0, "solo-1", "solo", &[]).await;
+    service(&west_api, "solo").await;
+    export(&west_api, "solo", true).await;
+    mirror_service(
+        &east_api,
+        "solo",
+        "west",
+        IpAddr::V4(gw_pod.ip()),
+        &west.trust_domain,
+    )
+    .await;
+    add_client_named(west, 1, "west-client").await;
+    let west_client = &west.pods["west-client"].0;
+    let solo = west.pods["solo-1"].0.ip();
+    let east_client = &east.pods["client"].0;
+    let solo_west = "http://solo-west.shop.svc.cluster.local/bench";
+    let solo_local = "http://solo.shop.svc.cluster.local/bench";
+    eventually("solo answers from west and from east", WAIT, || async {
+        answered_by(&curl(east, &[solo_west]))?;
+        answered_by(&curl_via(
+            west_client,
+            &format!("http://{}:4140", west_client.node().ip()),
+            &[solo_local],
+        ))
+    })
+    .await;
+    let streams = || async {
+        (
+            gateway_metric(gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await,
+            gateway_metric(gw_pod, "gateway_streams_total", &["transport=\"tcp\""]).await,
+        )
+    };
+    // Until a request through the gateway goes on `tcp` (true) or QUIC.
+    let on = |tcp: bool| async move {
+        eventually(
+            if tcp {
+                "on the TCP fallback"
+            } else {
+                "back on QUIC"
+            },
+            Duration::from_secs(60),
+            || async {
+                let before = streams().await;
+                answered_by(&curl(east, &["--max-time", "10", solo_west]))?;
+                let after = streams().await;
+                let moved = if tcp {
+                    after.1 > before.1
+                } else {
+                    after.0 > before.0
+                };
+                if moved {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            },
+        )
+        .await;
+    };
+    const MIRROR: &str = "iperf-west.shop.svc.cluster.local";
+    let mut bulk: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    let mut latency: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    let mut raw = Vec::new();
+    for round in 0..rounds {
+        for path in ["QUIC", "TCP+TLS", "direct"] {
+            match path {
+                "TCP+TLS" => {
+                    wan.block_udp().unwrap();
+                    on(true).await;
+                }
+                "QUIC" => on(false).await,
+                _ => {}
+            }
+            let before = streams().await;
+            let (gbits, _) = if path == "direct" {
+                iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs)
+            } else {
+                iperf(app, MIRROR, 9000, secs)
+            }
+            .unwrap_or_else(|e| panic!("bulk over {path}: {e}"));
+            let after = streams().await;
+            let (quic, tcp) = (after.0 - before.0, after.1 - before.1);
+            let wrong = match path {
+                "QUIC" => tcp,
+                "TCP+TLS" => quic,
+                _ => 0.0,
+            };
+            assert!(
+                wrong == 0.0,
+                "bulk over {path}: {wrong} gateway streams on the other transport"
+            );
+            bulk.entry(path).or_default().push(gbits);
+            raw.push(
+                serde_json::json!({"round": round, "bulk": path, "gbits": gbits,
+                "gateway_streams": {"quic": quic, "tcp": tcp}}),
+            );
+            if path == "TCP+TLS" {
+                wan.unblock_udp().unwrap();
+            }
+        }
+        on(false).await;
+        for path in ["direct", "node proxy pair", "cross-cluster"] {
+            let before = streams().await;
+            let r = match path {
+                "direct" => load_from(
+                    west_client,
+                    SocketAddr::new(IpAddr::V4(solo), 8080),
+                    "/bench",
+                    "solo.shop",
+                    rate,
+                    secs,
+                ),
+                "node proxy pair" => load_from(
+                    west_client,
+                    SocketAddr::new(IpAddr::V4(west_client.node().ip()), 4140),
+                    solo_local,
+                    "solo.shop.svc.cluster.local",
+                    rate,
+                    secs,
+                ),
+                _ => load_from(
+                    east_client,
+                    SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
+                    solo_west,
+                    "solo-west.shop.svc.cluster.local",
+                    rate,
+                    secs,
+                ),
+            };
+            let after = streams().await;
+            assert_eq!(r["errors"].as_u64(), Some(0), "{path} at {rate} rps: {r}");
+            if path == "cross-cluster" {
+                assert!(after.1 == before.1, "cross-cluster run went over TCP");
+            }
+            latency
+                .entry(path)
+                .or_default()
+                .push(r["p99_ms"].as_f64().unwrap_or(f64::NAN));
+            raw.push(serde_json::json!({"round": round, "latency": path, "rate": rate, "load": r}));
+        }
+    }
+    let med = |v: &Vec<f64>| median_f(v.clone());
+    let spread = |v: &Vec<f64>| {
+        format!(
+            "{:.2}–{:.2}",
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+        )
+    };
+    println!(
+        "
+gateway goals, unshaped, {rounds} interleaved rounds, {secs} s per run (medians, min–max)"
+    );
+    for (path, v) in &bulk {
+        println!("  bulk {path:<10} {:>6.2} Gbit/s ({})", med(v), spread(v));
+    }
+    let quic_vs_tcp = med(&bulk["QUIC"]) / med(&bulk["TCP+TLS"]);
+    let quic_vs_direct = med(&bulk["QUIC"]) / med(&bulk["direct"]);
+    println!(
+        "  bulk QUIC / TCP+TLS fallback: {quic_vs_tcp:.2} (goal ≥ 1.00: {}); QUIC / pod-to-pod direct: {quic_vs_direct:.2} (goal ≥ 0.50: {})",
+        if quic_vs_tcp >= 1.0 { "met" } else { "NOT met" },
+        if quic_vs_direct >= 0.5 {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+    // Added p99 per round, against the same round's direct run.
+    let added = |path: &str| -> Vec<f64> {
+        latency[path]
+            .iter()
+            .zip(&latency["direct"])
+            .map(|(p, d)| p - d)
+            .collect()
+    };
+    for path in ["direct", "node proxy pair", "cross-cluster"] {
+        println!(
+            "  {rate} rps p99 {path:<16} {:>7.2} ms ({}); added {:>6.2} ms",
+            med(&latency[path]),
+            spread(&latency[path]),
+            med(&added(path))
+        );
+    }
+    let latency_ratio = med(&added("cross-cluster")) / med(&added("node proxy pair"));
+    println!(
+        "  added p99 cross-cluster / node proxy pair: {latency_ratio:.2} (goal ≤ 2.00: {})",
+        if latency_ratio <= 2.0 {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+    serde_json::json!({
+        "rounds": rounds, "rate": rate, "runs": raw,
+        "bulk_quic_vs_tcp": quic_vs_tcp, "bulk_quic_vs_direct": quic_vs_direct,
+        "added_p99_cross_vs_pair": latency_ratio,
+        "added_p99_ms": {
+            "node proxy pair": med(&added("node proxy pair")),
+            "cross-cluster": med(&added("cross-cluster")),
+        },
+    })
 }
 
 /// Restarts every node proxy of `mesh` (not the gateway, pushed after them)
@@ -513,7 +774,12 @@ async fn proven(west: &Mesh) -> f64 {
 }
 
 /// The A/B of end-to-end caller identity (see the module doc).
-async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u64) {
+async fn end_to_end_cost(
+    east: &mut Mesh,
+    west: &mut Mesh,
+    gw_pid: u32,
+    secs: u64,
+) -> serde_json::Value {
     let rates: Vec<u32> = std::env::var("STRAIT_BENCH_E2E_RATES")
         .unwrap_or_else(|_| "1000,10000".into())
         .split(',')
@@ -611,4 +877,13 @@ async fn end_to_end_cost(east: &mut Mesh, west: &mut Mesh, gw_pid: u32, secs: u6
         let g = |v: &Vec<(f64, f64)>| median_f(v.iter().map(|(g, _)| *g).collect());
         println!("ratio strict/off bulk: {:.2}", g(on) / g(off));
     }
+    serde_json::json!({
+        "runs": runs.iter().map(|((mode, rate), v)| serde_json::json!({
+            "mode": mode, "rate": rate,
+            "rounds": v.iter().map(|r| serde_json::json!({"cpu_per_1k": r[0], "p50_ms": r[1],
+                "p99_ms": r[2], "errors": r[3], "achieved_rps": r[4]})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "bulk": bulk.iter().map(|(mode, v)| serde_json::json!({"mode": mode,
+            "gbits": v.iter().map(|(g, _)| g).collect::<Vec<_>>()})).collect::<Vec<_>>(),
+    })
 }
