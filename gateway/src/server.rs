@@ -42,7 +42,7 @@ const MAX_UNVALIDATED_HANDSHAKES: usize = 256;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a QUIC handshake may take once accepted (then the connection is
-/// dropped, whatever its timers would allow; after it, [`close_when_silent`]
+/// dropped, whatever its timers would allow; after it, [`Silence`]
 /// bounds a silent peer).
 const QUIC_HANDSHAKE_TIMEOUT: Duration = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
 
@@ -267,6 +267,9 @@ impl Gateway {
         mut stop: watch::Receiver<bool>,
     ) {
         let handshaking = Arc::new(AtomicUsize::new(0));
+        let silence = Arc::new(Silence::default());
+        // One timer for every connection; it ends with this loop.
+        let _sweeper = AbortOnDrop(tokio::spawn(silence.clone().sweep()));
         loop {
             let incoming = tokio::select! {
                 i = endpoint.accept() => i,
@@ -289,6 +292,7 @@ impl Gateway {
                 continue;
             };
             let this = self.clone();
+            let silence = silence.clone();
             // Counted here, not in the task: under a flood this loop runs
             // far ahead of the tasks it spawns, and a count they raise
             // later would let thousands past the Retry threshold.
@@ -326,30 +330,23 @@ impl Gateway {
                         transport: "quic".into(),
                     })
                     .inc();
-                let streams = async {
-                    let mut credit = strait_mesh::tunnel::quic::StreamCredit::default();
-                    loop {
-                        match connection.accept_bi().await {
-                            Ok((send, recv)) => {
-                                let (this, peer) = (this.clone(), peer.clone());
-                                let open = credit.accepted(&connection);
-                                tokio::spawn(async move {
-                                    let _open = open;
-                                    let stream = tokio::io::join(recv, send);
-                                    this.stream(stream, peer, "quic").await;
-                                });
-                            }
-                            Err(e) => {
-                                tracing::debug!(%remote, "QUIC connection ended: {e}");
-                                return;
-                            }
+                let _watched = silence.watch(&connection);
+                let mut credit = strait_mesh::tunnel::quic::StreamCredit::default();
+                loop {
+                    match connection.accept_bi().await {
+                        Ok((send, recv)) => {
+                            let (this, peer) = (this.clone(), peer.clone());
+                            let open = credit.accepted(&connection);
+                            tokio::spawn(async move {
+                                let _open = open;
+                                let stream = tokio::io::join(recv, send);
+                                this.stream(stream, peer, "quic").await;
+                            });
                         }
-                    }
-                };
-                tokio::select! {
-                    () = streams => {}
-                    () = close_when_silent(&connection) => {
-                        tracing::debug!(%remote, "QUIC peer silent for {:?}: closed", strait_mesh::tunnel::quic::IDLE_TIMEOUT);
+                        Err(e) => {
+                            tracing::debug!(%remote, "QUIC connection ended: {e}");
+                            return;
+                        }
                     }
                 }
             });
@@ -691,23 +688,83 @@ impl Gateway {
     }
 }
 
-/// Closes `connection` once nothing arrived from its peer for the idle
-/// timeout, and returns. QUIC's own idle timeout is at least three probe
-/// timeouts (RFC 9000 §10.1), which an RTT inflated by load (a handshake
-/// flood) stretches to tens of seconds; a live peer sends a keep-alive every
-/// second, so silence this long means it is gone or hostile.
-async fn close_when_silent(connection: &quinn::Connection) {
-    let idle = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
-    let mut received = connection.stats().udp_rx.datagrams;
-    let mut heard = tokio::time::Instant::now();
-    loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let now = connection.stats().udp_rx.datagrams;
-        if now != received {
-            (received, heard) = (now, tokio::time::Instant::now());
-        } else if heard.elapsed() >= idle {
-            connection.close(0u32.into(), b"idle");
-            return;
+/// Closes QUIC connections once nothing arrived from their peer for the idle
+/// timeout. QUIC's own idle timeout is at least three probe timeouts (RFC
+/// 9000 §10.1), which an RTT inflated by load (a handshake flood) stretches
+/// to tens of seconds; a live peer sends a keep-alive every second, so
+/// silence this long means it is gone or hostile. One task looks at every
+/// connection once a second (one timer, not one per idle connection).
+#[derive(Default)]
+struct Silence {
+    watched: Mutex<HashMap<u64, Heard>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What the sweeper knows of one connection.
+struct Heard {
+    connection: quinn::Connection,
+    datagrams: u64,
+    at: tokio::time::Instant,
+}
+
+/// Stops watching a connection when its task ends.
+struct Watched(Arc<Silence>, u64);
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.0
+            .watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.1);
+    }
+}
+
+impl Silence {
+    fn watch(self: &Arc<Self>, connection: &quinn::Connection) -> Watched {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let heard = Heard {
+            connection: connection.clone(),
+            datagrams: connection.stats().udp_rx.datagrams,
+            at: tokio::time::Instant::now(),
+        };
+        self.watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, heard);
+        Watched(self.clone(), id)
+    }
+
+    async fn sweep(self: Arc<Self>) {
+        let idle = strait_mesh::tunnel::quic::IDLE_TIMEOUT;
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let now = tokio::time::Instant::now();
+            let mut watched = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+            watched.retain(|_, heard| {
+                let datagrams = heard.connection.stats().udp_rx.datagrams;
+                if datagrams != heard.datagrams {
+                    (heard.datagrams, heard.at) = (datagrams, now);
+                    return true;
+                }
+                if now.duration_since(heard.at) < idle {
+                    return true;
+                }
+                tracing::debug!(remote = %heard.connection.remote_address(), "QUIC peer silent for {idle:?}: closed");
+                heard.connection.close(0u32.into(), b"idle");
+                false
+            });
         }
     }
 }

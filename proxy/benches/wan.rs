@@ -499,7 +499,12 @@ async fn main() {
         median(quic_setup),
         median(tcp_setup)
     );
-    let e2e = end_to_end_cost(&mut east, &mut west, gw_pid, secs).await;
+    // `STRAIT_BENCH_E2E=0` skips the end-to-end identity A/B.
+    let e2e = if env_or("STRAIT_BENCH_E2E", 1) == 0 {
+        serde_json::Value::Null
+    } else {
+        end_to_end_cost(&mut east, &mut west, gw_pid, secs).await
+    };
     if let Ok(file) = std::env::var("STRAIT_BENCH_JSON") {
         let doc = serde_json::json!({
             "bench": "wan", "secs": secs, "goals": goal_results,

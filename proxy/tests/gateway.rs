@@ -230,8 +230,24 @@ async fn mirror_traffic_goes_through_the_gateway_over_quic_and_falls_back_to_tcp
     mesh.pods.insert("gateway".into(), (gw_pod, None));
 }
 
-/// The gateway holds many idle QUIC connections (each a caller's node proxy)
-/// with bounded memory per connection. Counts, not timings.
+/// RSS the gateway (`pid`) holds per connection over `before`, once the
+/// allocator has returned what the handshakes freed (its dirty pages decay
+/// over ~10 s) and quinn's per-connection queues have settled (~20 s of
+/// keep-alives): what `count` idle connections themselves hold.
+async fn settled_per_connection(pid: u32, before: u64, count: usize, what: &str) -> u64 {
+    tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+    let settled = rss_kib(pid);
+    let each = (settled.saturating_sub(before) * 1024) / count as u64;
+    eprintln!(
+        "gateway RSS 30 s after {count} idle {what} connections: {settled} KiB ({before} KiB before): {each} bytes ({:.1} KiB) per connection",
+        each as f64 / 1024.0
+    );
+    each
+}
+
+/// The gateway holds many idle QUIC connections (each a caller's node proxy),
+/// and as many idle TCP fallback connections, with bounded memory per
+/// connection. Counts, not timings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memory() {
     let Some(mut mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
@@ -307,26 +323,93 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
     })
     .await;
     let after = rss_kib(pid);
-    let per_connection = (after.saturating_sub(before) * 1024) / count as u64;
     eprintln!(
-        "gateway RSS: {before} KiB before, {after} KiB with {count} more idle QUIC connections: {per_connection} bytes each"
+        "gateway RSS: {before} KiB before, {after} KiB with {count} more idle QUIC connections: {} bytes each",
+        (after.saturating_sub(before) * 1024) / count as u64
     );
-    // Again once the allocator has returned what the handshakes freed (its
-    // dirty pages decay over ~10 s): what the connections themselves hold.
-    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
-    let settled = rss_kib(pid);
-    eprintln!(
-        "gateway RSS 12 s later: {settled} KiB: {} bytes per idle QUIC connection",
-        (settled.saturating_sub(before) * 1024) / count as u64
-    );
+    let per_connection = settled_per_connection(pid, before, count, "QUIC").await;
     // Measured: ~40 KiB of RSS per connection after a burst of handshakes
     // (126 KiB before the stream limit started at 64 and grew on demand:
     // quinn keeps map entries for every stream a peer may open). The bound
     // catches that coming back, a leak or a per-connection buffer growing.
     assert!(
         per_connection < 64 * 1024,
-        "{per_connection} bytes per idle connection"
+        "{per_connection} bytes per idle QUIC connection"
     );
+
+    // The TCP fallback: TLS with the multiplexing ALPN and an HTTP/2
+    // connection on it, as a node proxy's fallback holds it, idle.
+    let tcp_tls = std::sync::Arc::new(
+        strait_mesh::identity::tls::client_config(
+            &bundle,
+            component_identity(&mesh, "strait-proxy").0,
+            vec![gateway_id.clone()],
+            &[strait_mesh::tunnel::quic::TUNNEL_H2_ALPN],
+        )
+        .unwrap(),
+    );
+    let accepted_tcp = async || {
+        metric_sum(
+            &gateway_metrics(&gw_pod).await,
+            "gateway_connections_total",
+            &["transport=\"tcp\""],
+        )
+    };
+    let tcp_before_count = accepted_tcp().await;
+    let before = rss_kib(pid);
+    let server_name = strait_mesh::tunnel::server_name_for(&gateway_id);
+    let open_tcp = || {
+        let (tcp_tls, server_name) = (tcp_tls.clone(), server_name.clone());
+        async move {
+            let tcp = tokio::net::TcpStream::connect(gw_addr).await.unwrap();
+            let tls = tokio_rustls::TlsConnector::from(tcp_tls)
+                .connect(server_name, tcp)
+                .await
+                .unwrap();
+            let (sender, connection) =
+                hyper::client::conn::http2::handshake::<_, _, http_body_util::Empty<bytes::Bytes>>(
+                    hyper_util::rt::TokioExecutor::new(),
+                    hyper_util::rt::TokioIo::new(tls),
+                )
+                .await
+                .unwrap();
+            (sender, tokio::spawn(connection))
+        }
+    };
+    let mut held_tcp = Vec::with_capacity(count);
+    let mut pending = futures::stream::FuturesUnordered::new();
+    for _ in 0..count {
+        pending.push(open_tcp());
+        while pending.len() >= 64 {
+            held_tcp.push(pending.next().await.unwrap());
+        }
+    }
+    while let Some(c) = pending.next().await {
+        held_tcp.push(c);
+    }
+    eventually(
+        "the gateway accepted every TCP connection",
+        WAIT,
+        || async {
+            let accepted = accepted_tcp().await - tcp_before_count;
+            if accepted >= count as f64 {
+                Ok(())
+            } else {
+                Err(format!("{accepted} of {count}"))
+            }
+        },
+    )
+    .await;
+    let per_tcp = settled_per_connection(pid, before, count, "TCP+TLS (HTTP/2)").await;
+    assert!(
+        held_tcp.iter().all(|(_, c)| !c.is_finished()),
+        "the gateway closed idle fallback connections"
+    );
+    assert!(
+        per_tcp < 64 * 1024,
+        "{per_tcp} bytes per idle TCP fallback connection"
+    );
+    drop(held_tcp);
     // Still serving: a probe through the tunnel answers.
     let (cert, bundle) = component_identity(&mesh, "strait-proxy");
     let prober = strait_mesh::tunnel::quic::GatewayClient::new(bundle, cert).unwrap();

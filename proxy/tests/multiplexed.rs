@@ -132,3 +132,105 @@ async fn http1_callers_share_one_tunnel_per_endpoint_and_the_pod_still_sees_http
         "inbound counted {served} requests:\n{inbound}"
     );
 }
+
+/// A node proxy of a version before multiplexing refuses the header's
+/// critical field (`BadHeader`): the sender falls back to per-connection
+/// tunnels to that node, and does not ask again for a while. The old
+/// receiver is this test's own TLS server on node 2's proxy port, refusing
+/// multiplexed tunnels as the old decoder does and splicing the others to
+/// their pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_predates_multiplexing_gets_per_connection_tunnels() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use strait_mesh::identity::ca::LeafSigner;
+    use strait_mesh::identity::tls::{self, TrustBundle};
+    use strait_mesh::tunnel::{Protocol, ResponseStatus, TunnelHeader, TunnelResponse};
+
+    if !strait_testenv::net::root_or_skip("multiplexed HTTP/1 tunnels, old receiver") {
+        return;
+    }
+    let binary = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
+    let mut mesh = start_mesh(2, binary).await;
+    backend(&mut mesh, 1, "web-1", "web", &[]).await;
+    add_client(&mut mesh, 0).await;
+    service(&mesh.topology.cluster().client(), "web").await;
+    let nodes = mesh.topology.nodes().to_vec();
+    for proxy in &mut mesh.proxies {
+        proxy.stop(std::time::Duration::from_secs(3));
+    }
+    mesh.proxies = vec![spawn_proxy_with(
+        &mesh,
+        &nodes[0],
+        binary,
+        &["--http1-tunnels=multiplexed"],
+    )];
+    proxy_ready(&nodes[0]).await;
+
+    // The old node 2 proxy: it serves web-1's identity.
+    let web: strait_mesh::identity::SpiffeId =
+        format!("spiffe://{}/ns/shop/sa/web", mesh.trust_domain)
+            .parse()
+            .unwrap();
+    let cert = LeafSigner::load(&mesh.issuer_pair, &mesh.anchor.cert_pem)
+        .unwrap()
+        .new_identity(&web, std::time::Duration::from_secs(3600))
+        .unwrap();
+    let bundle = TrustBundle::from_pem(mesh.anchor.cert_pem.as_bytes()).unwrap();
+    let config = tls::server_config(&bundle, cert, &[strait_mesh::tunnel::TUNNEL_ALPN]).unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::from_std(nodes[1].listen_tcp(4143).unwrap()).unwrap();
+    let (refused, spliced) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (refused_count, spliced_count) = (refused.clone(), spliced.clone());
+    let old_proxy = tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, refused, spliced) = (acceptor.clone(), refused.clone(), spliced.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(header) =
+                    TunnelHeader::read_from(&mut tls, std::time::Duration::from_secs(5)).await
+                else {
+                    return;
+                };
+                if header.protocol == Protocol::Http1Multiplexed {
+                    // What a decoder without the field answers.
+                    refused.fetch_add(1, Ordering::SeqCst);
+                    let _ = TunnelResponse::refused(
+                        ResponseStatus::BadHeader,
+                        "header field 0x86 is critical and unknown: upgrade this proxy",
+                    )
+                    .write_to(&mut tls)
+                    .await;
+                    return;
+                }
+                let strait_mesh::tunnel::Target::Pod { addr } = header.target else {
+                    return;
+                };
+                let Ok(mut pod) = tokio::net::TcpStream::connect(addr).await else {
+                    return;
+                };
+                spliced.fetch_add(1, Ordering::SeqCst);
+                let _ = TunnelResponse::ok().write_to(&mut tls).await;
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut pod).await;
+            });
+        }
+    });
+
+    let url = "http://web.shop.svc.cluster.local/hello";
+    for i in 0..5 {
+        let answer = answered_by(&curl(&mesh, &[&format!("{url}/{i}")]));
+        assert_eq!(answer.as_deref(), Ok("web-1"), "request {i}");
+    }
+    assert_eq!(
+        refused_count.load(Ordering::SeqCst),
+        1,
+        "asked once, then remembered"
+    );
+    assert!(spliced_count.load(Ordering::SeqCst) >= 1);
+    old_proxy.abort();
+}

@@ -91,7 +91,11 @@ impl ResolvesServerCert for CertSlot {
 }
 
 /// A server config: TLS 1.3, client certificate required, chained to the
-/// bundle within its issuer's name constraints, carrying a SPIFFE ID.
+/// bundle within its issuer's name constraints, carrying a SPIFFE ID. No
+/// session resumption: a resumed TLS 1.3 session skips the certificate
+/// verifier, so a peer whose anchor was rotated out, or whose certificate
+/// expired, could come back on an old ticket. Every connection proves itself
+/// against the live bundle (connections are pooled; handshakes are rare).
 pub fn server_config(
     bundle: &TrustBundle,
     cert: Arc<CertSlot>,
@@ -106,6 +110,8 @@ pub fn server_config(
         .with_client_cert_verifier(verifier)
         .with_cert_resolver(cert);
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    config.send_tls13_tickets = 0;
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(config)
 }
 
@@ -179,6 +185,8 @@ pub fn client_config_expecting(
         .with_custom_certificate_verifier(verifier)
         .with_client_cert_resolver(cert);
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    // As the server side: every connection verifies the server's chain.
+    config.resumption = rustls::client::Resumption::disabled();
     Ok(config)
 }
 

@@ -104,6 +104,29 @@ impl NetNode {
         self.inner.netns.spawn(name, program, args, env, log)
     }
 
+    /// A TCP listener on this node's address, made inside its namespace by a
+    /// short-lived thread (a socket keeps the namespace it was made in): a
+    /// test's own server standing in for a process of the node.
+    pub fn listen_tcp(&self, port: u16) -> io::Result<std::net::TcpListener> {
+        let namespace = std::fs::File::open(format!("/proc/{}/ns/net", self.anchor_pid()))?;
+        let addr = std::net::SocketAddr::from((self.ip(), port));
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> io::Result<std::net::TcpListener> {
+                    use std::os::fd::AsFd as _;
+                    rustix::thread::move_into_link_name_space(
+                        namespace.as_fd(),
+                        Some(rustix::thread::LinkNameSpaceType::Network),
+                    )?;
+                    let listener = std::net::TcpListener::bind(addr)?;
+                    listener.set_nonblocking(true)?;
+                    Ok(listener)
+                })
+                .join()
+                .map_err(|_| io::Error::other("the node namespace thread panicked"))?
+        })
+    }
+
     /// Adds a pod: its own namespace, a veth to this node, the next address of
     /// the node's pod range and a default route via the node.
     pub fn add_pod(&self, name: &str) -> Result<NetPod, NetError> {
