@@ -53,6 +53,8 @@ fn tunnel_header_seeds_decode_as_intended() {
     let (pod, n) = header("pod_v4.bin").unwrap();
     assert_eq!(pod.target.to_string(), "pod 10.1.2.3:8080");
     assert_eq!((pod.protocol, n), (Protocol::Http1, 21));
+    let (multiplexed, n) = header("pod_http1_multiplexed.bin").unwrap();
+    assert_eq!((multiplexed.protocol, n), (Protocol::Http1Multiplexed, 24));
     let (pod, _) = header("pod_v6.bin").unwrap();
     assert_eq!(pod.target.to_string(), "pod [fd00::1]:443");
     let (svc, _) = header("service_with_source.bin").unwrap();
