@@ -31,7 +31,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use strait_testenv::process::{cpu_seconds, rss_kib};
-use strait_testenv::workspace_binary;
 
 use strait_testenv::fixture::*;
 
@@ -89,27 +88,7 @@ fn load(
     rate: u32,
     secs: u64,
 ) -> serde_json::Value {
-    let client = &mesh.pods["client"].0;
-    let out = client
-        .command(workspace_binary("strait-load"))
-        .args([
-            format!("--connect={connect}"),
-            format!("--uri={uri}"),
-            format!("--host={host}"),
-            format!("--rate={rate}"),
-            "--connections=100".into(),
-            format!("--duration={secs}s"),
-            "--warmup=2s".into(),
-            "--body=1024".into(),
-        ])
-        .output()
-        .expect("run strait-load in the client pod");
-    assert!(
-        out.status.success(),
-        "strait-load: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("strait-load prints JSON")
+    strait_load(&mesh.pods["client"].0, connect, (uri, host), rate, secs, 2)
 }
 
 fn measured(path: &str, rate: u32, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {

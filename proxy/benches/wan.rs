@@ -65,8 +65,7 @@ fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
     )
 }
 
-/// strait-load in pod `client`, connecting to `connect` with request target
-/// `uri` (absolute through a proxy, a path when direct).
+/// strait-load in pod `client` (3 s of warm-up).
 fn load_from(
     client: &strait_testenv::NetPod,
     connect: SocketAddr,
@@ -75,26 +74,7 @@ fn load_from(
     rate: u32,
     secs: u64,
 ) -> serde_json::Value {
-    let out = client
-        .command(workspace_binary("strait-load"))
-        .args([
-            format!("--connect={connect}"),
-            format!("--uri={uri}"),
-            format!("--host={host}"),
-            format!("--rate={rate}"),
-            "--connections=100".into(),
-            format!("--duration={secs}s"),
-            "--warmup=3s".into(),
-            "--body=1024".into(),
-        ])
-        .output()
-        .expect("run strait-load in the client pod");
-    assert!(
-        out.status.success(),
-        "strait-load: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("strait-load prints JSON")
+    strait_load(client, connect, (uri, host), rate, secs, 3)
 }
 
 async fn gateway_metric(gw: &strait_testenv::NetPod, name: &str, having: &[&str]) -> f64 {

@@ -22,11 +22,10 @@ async fn tunnels_accepted(nodes: &[NetNode]) -> f64 {
     sum
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http1_callers_share_one_tunnel_per_endpoint_and_the_pod_still_sees_http1() {
-    if !strait_testenv::net::root_or_skip("multiplexed HTTP/1 tunnels") {
-        return;
-    }
+/// Two nodes: the client pod on node 1, `web-1` (Service `web`) on node 2;
+/// the proxies stopped and node 1's (and, with `both`, node 2's) started
+/// again multiplexing HTTP/1.
+async fn multiplexing_mesh(both: bool) -> (Mesh, Vec<NetNode>) {
     let binary = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
     let mut mesh = start_mesh(2, binary).await;
     backend(&mut mesh, 1, "web-1", "web", &[]).await;
@@ -36,13 +35,23 @@ async fn http1_callers_share_one_tunnel_per_endpoint_and_the_pod_still_sees_http
     for proxy in &mut mesh.proxies {
         proxy.stop(std::time::Duration::from_secs(3));
     }
-    mesh.proxies = nodes
+    let restarted = if both { &nodes[..] } else { &nodes[..1] };
+    mesh.proxies = restarted
         .iter()
         .map(|node| spawn_proxy_with(&mesh, node, binary, &["--http1-tunnels=multiplexed"]))
         .collect();
-    for node in &nodes {
+    for node in restarted {
         proxy_ready(node).await;
     }
+    (mesh, nodes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_callers_share_one_tunnel_per_endpoint_and_the_pod_still_sees_http1() {
+    if !strait_testenv::net::root_or_skip("multiplexed HTTP/1 tunnels") {
+        return;
+    }
+    let (mesh, nodes) = multiplexing_mesh(true).await;
     let url = "http://web.shop.svc.cluster.local/hello";
     eventually("the service answers through the proxies", WAIT, || async {
         answered_by(&curl(&mesh, &[url]))
@@ -150,22 +159,7 @@ async fn a_receiver_that_predates_multiplexing_gets_per_connection_tunnels() {
     if !strait_testenv::net::root_or_skip("multiplexed HTTP/1 tunnels, old receiver") {
         return;
     }
-    let binary = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
-    let mut mesh = start_mesh(2, binary).await;
-    backend(&mut mesh, 1, "web-1", "web", &[]).await;
-    add_client(&mut mesh, 0).await;
-    service(&mesh.topology.cluster().client(), "web").await;
-    let nodes = mesh.topology.nodes().to_vec();
-    for proxy in &mut mesh.proxies {
-        proxy.stop(std::time::Duration::from_secs(3));
-    }
-    mesh.proxies = vec![spawn_proxy_with(
-        &mesh,
-        &nodes[0],
-        binary,
-        &["--http1-tunnels=multiplexed"],
-    )];
-    proxy_ready(&nodes[0]).await;
+    let (mesh, nodes) = multiplexing_mesh(false).await;
 
     // The old node 2 proxy: it serves web-1's identity.
     let web: strait_mesh::identity::SpiffeId =

@@ -303,23 +303,8 @@ impl ClusterNetwork {
         port: u16,
         target: std::net::SocketAddr,
     ) -> io::Result<RouterForward> {
-        let namespace = std::fs::File::open(format!("/proc/{}/ns/net", self.lan.netns.pid))?;
         let addr = std::net::SocketAddr::from((self.lan.router_ip(), port));
-        let listener = std::thread::scope(|scope| {
-            scope
-                .spawn(|| -> io::Result<std::net::TcpListener> {
-                    use std::os::fd::AsFd as _;
-                    rustix::thread::move_into_link_name_space(
-                        namespace.as_fd(),
-                        Some(rustix::thread::LinkNameSpaceType::Network),
-                    )?;
-                    let listener = std::net::TcpListener::bind(addr)?;
-                    listener.set_nonblocking(true)?;
-                    Ok(listener)
-                })
-                .join()
-                .map_err(|_| io::Error::other("the LAN namespace thread panicked"))?
-        })?;
+        let listener = netns::listen_tcp_in(self.lan.netns.pid, addr)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let task = tokio::spawn(async move {
             // Connections live in this set: aborting the task drops it, which

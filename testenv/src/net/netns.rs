@@ -109,6 +109,31 @@ impl Netns {
     }
 }
 
+/// A non-blocking TCP listener on `addr` inside the network namespace of
+/// process `pid`, made by a short-lived thread that enters it (a socket keeps
+/// the namespace it was made in; the thread's namespace ends with the thread).
+pub(crate) fn listen_tcp_in(
+    pid: u32,
+    addr: std::net::SocketAddr,
+) -> io::Result<std::net::TcpListener> {
+    let namespace = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> io::Result<std::net::TcpListener> {
+                use std::os::fd::AsFd as _;
+                rustix::thread::move_into_link_name_space(
+                    namespace.as_fd(),
+                    Some(rustix::thread::LinkNameSpaceType::Network),
+                )?;
+                let listener = std::net::TcpListener::bind(addr)?;
+                listener.set_nonblocking(true)?;
+                Ok(listener)
+            })
+            .join()
+            .map_err(|_| io::Error::other("the namespace thread panicked"))?
+    })
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         // The kernel frees the namespace (and its interfaces) once the last

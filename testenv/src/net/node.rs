@@ -108,23 +108,10 @@ impl NetNode {
     /// short-lived thread (a socket keeps the namespace it was made in): a
     /// test's own server standing in for a process of the node.
     pub fn listen_tcp(&self, port: u16) -> io::Result<std::net::TcpListener> {
-        let namespace = std::fs::File::open(format!("/proc/{}/ns/net", self.anchor_pid()))?;
-        let addr = std::net::SocketAddr::from((self.ip(), port));
-        std::thread::scope(|scope| {
-            scope
-                .spawn(|| -> io::Result<std::net::TcpListener> {
-                    use std::os::fd::AsFd as _;
-                    rustix::thread::move_into_link_name_space(
-                        namespace.as_fd(),
-                        Some(rustix::thread::LinkNameSpaceType::Network),
-                    )?;
-                    let listener = std::net::TcpListener::bind(addr)?;
-                    listener.set_nonblocking(true)?;
-                    Ok(listener)
-                })
-                .join()
-                .map_err(|_| io::Error::other("the node namespace thread panicked"))?
-        })
+        super::netns::listen_tcp_in(
+            self.anchor_pid(),
+            std::net::SocketAddr::from((self.ip(), port)),
+        )
     }
 
     /// Adds a pod: its own namespace, a veth to this node, the next address of
