@@ -55,26 +55,14 @@ const URL: &str = "http://web-west.shop.svc.cluster.local/bench";
 fn load(east: &Mesh, rate: u32, secs: u64) -> serde_json::Value {
     let client = &east.pods["client"].0;
     let proxy = SocketAddr::new(IpAddr::V4(client.node().ip()), 4140);
-    load_from(
+    strait_load(
         client,
         proxy,
-        URL,
-        "web-west.shop.svc.cluster.local",
+        (URL, "web-west.shop.svc.cluster.local"),
         rate,
         secs,
+        3,
     )
-}
-
-/// strait-load in pod `client` (3 s of warm-up).
-fn load_from(
-    client: &strait_testenv::NetPod,
-    connect: SocketAddr,
-    uri: &str,
-    host: &str,
-    rate: u32,
-    secs: u64,
-) -> serde_json::Value {
-    strait_load(client, connect, (uri, host), rate, secs, 3)
 }
 
 async fn gateway_metric(gw: &strait_testenv::NetPod, name: &str, having: &[&str]) -> f64 {
@@ -627,32 +615,24 @@ async fn goals(
         on(false).await;
         for path in ["direct", "node proxy pair", "cross-cluster"] {
             let before = streams().await;
-            let r = match path {
-                "direct" => load_from(
+            let (client, connect, target) = match path {
+                "direct" => (
                     west_client,
                     SocketAddr::new(IpAddr::V4(solo), 8080),
-                    "/bench",
-                    "solo.shop",
-                    rate,
-                    secs,
+                    ("/bench", "solo.shop"),
                 ),
-                "node proxy pair" => load_from(
+                "node proxy pair" => (
                     west_client,
                     SocketAddr::new(IpAddr::V4(west_client.node().ip()), 4140),
-                    solo_local,
-                    "solo.shop.svc.cluster.local",
-                    rate,
-                    secs,
+                    (solo_local, "solo.shop.svc.cluster.local"),
                 ),
-                _ => load_from(
+                _ => (
                     east_client,
                     SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
-                    solo_west,
-                    "solo-west.shop.svc.cluster.local",
-                    rate,
-                    secs,
+                    (solo_west, "solo-west.shop.svc.cluster.local"),
                 ),
             };
+            let r = strait_load(client, connect, target, rate, secs, 3);
             let after = streams().await;
             assert_eq!(r["errors"].as_u64(), Some(0), "{path} at {rate} rps: {r}");
             if path == "cross-cluster" {
