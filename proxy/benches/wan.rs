@@ -544,7 +544,10 @@ async fn goals(
             gateway_metric(gw_pod, "gateway_streams_total", &["transport=\"tcp\""]).await,
         )
     };
-    // Until a request through the gateway goes on `tcp` (true) or QUIC.
+    const MIRROR: &str = "iperf-west.shop.svc.cluster.local";
+    // Until a new tunnel through the gateway goes on `tcp` (true) or QUIC:
+    // a one-second iperf3 from the transparent pod (opaque connections, a
+    // new stream each; pooled HTTP tunnels would not show a switch).
     let on = |tcp: bool| async move {
         eventually(
             if tcp {
@@ -555,23 +558,23 @@ async fn goals(
             Duration::from_secs(60),
             || async {
                 let before = streams().await;
-                answered_by(&curl(east, &["--max-time", "10", solo_west]))?;
+                iperf(app, MIRROR, 9000, 1)?;
                 let after = streams().await;
+                let (quic, tcp_streams) = (after.0 - before.0, after.1 - before.1);
                 let moved = if tcp {
-                    after.1 > before.1
+                    tcp_streams > 0.0 && quic == 0.0
                 } else {
-                    after.0 > before.0
+                    quic > 0.0 && tcp_streams == 0.0
                 };
                 if moved {
                     Ok(())
                 } else {
-                    Err("not yet".to_string())
+                    Err(format!("streams: {quic} QUIC, {tcp_streams} TCP"))
                 }
             },
         )
         .await;
     };
-    const MIRROR: &str = "iperf-west.shop.svc.cluster.local";
     let mut bulk: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     let mut latency: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     let mut raw = Vec::new();
