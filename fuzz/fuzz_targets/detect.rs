@@ -83,6 +83,10 @@ fn check_answer(data: &[u8]) {
             assert!(version == b"HTTP/1.1" || version == b"HTTP/1.0");
         }
         Detection::Protocol(Protocol::Opaque) => assert!(!data.starts_with(H2_PREFACE)),
+        // Only a sender says this, in a tunnel header; bytes never read as it.
+        Detection::Protocol(Protocol::Http1Multiplexed) => {
+            panic!("detection answered Http1Multiplexed")
+        }
         Detection::NeedMore => {
             assert!(data.len() < MAX_DETECT_BYTES);
             assert!(!seen.windows(2).any(|w| w == b"\r\n") || H2_PREFACE.starts_with(data));
