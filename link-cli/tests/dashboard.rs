@@ -437,41 +437,6 @@ async fn dashboard_in_a_real_browser_shows_the_clusterset() {
     let _ = page.close().await;
 }
 
-/// The API server's requests so far, by (verb, resource).
-async fn api_requests(client: &kube::Client) -> std::collections::BTreeMap<(String, String), f64> {
-    let text = client
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .expect("the API server's /metrics");
-    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
-    let mut out = std::collections::BTreeMap::new();
-    for s in scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == "apiserver_request_total")
-    {
-        let key = (
-            s.labels.get("verb").unwrap_or("").to_string(),
-            s.labels.get("resource").unwrap_or("").to_string(),
-        );
-        if let prometheus_parse::Value::Counter(n) | prometheus_parse::Value::Untyped(n) = s.value {
-            *out.entry(key).or_default() += n;
-        }
-    }
-    out
-}
-
-fn minus(
-    after: &std::collections::BTreeMap<(String, String), f64>,
-    before: &std::collections::BTreeMap<(String, String), f64>,
-) -> std::collections::BTreeMap<(String, String), f64> {
-    after
-        .iter()
-        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
-        .filter(|(_, v)| *v > 0.0)
-        .collect()
-}
-
 /// A clusterset of 10 clusters and 1,000 Services as one cluster's
 /// dashboard sees it (a real API server: 9 Links, 100 exported Services
 /// and 900 mirrored, each with an EndpointSlice of 3 endpoints): what the
@@ -486,6 +451,7 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
     use kube::Api;
     use kube::api::{Patch, PatchParams, PostParams};
     use strait_mesh::link::Link;
+    use strait_testenv::apimetrics::{self, minus, requests};
 
     let cluster = strait_testenv::Cluster::start("east").await.unwrap();
     let client = cluster.client();
@@ -570,11 +536,11 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
 
     // The same span without and with the dashboard: what it costs.
     let span = Duration::from_secs(20);
-    let before = api_requests(&client).await;
+    let before = requests(&client).await.unwrap();
     tokio::time::sleep(span).await;
-    let baseline = minus(&api_requests(&client).await, &before);
+    let baseline = minus(&requests(&client).await.unwrap(), &before);
 
-    let before = api_requests(&client).await;
+    let before = requests(&client).await.unwrap();
     let started = Instant::now();
     let strait = Path::new(env!("CARGO_BIN_EXE_strait"));
     let (_dashboard, url) = dashboard(strait, &kubeconfig, &["--check-interval", "1h"]).await;
@@ -592,7 +558,7 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
     )
     .await;
     let first = started.elapsed();
-    let startup = minus(&api_requests(&client).await, &before);
+    let startup = minus(&requests(&client).await.unwrap(), &before);
     assert_eq!(
         state["clusters"].as_array().map(Vec::len),
         Some(10),
@@ -607,7 +573,7 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
         .sum();
     assert_eq!(ready, 2000, "2 of 3 endpoints ready in each");
 
-    let before = api_requests(&client).await;
+    let before = requests(&client).await.unwrap();
     let (mut json_bytes, mut served, mut refresh_ms) = (0, Vec::new(), Vec::new());
     let steady = Instant::now();
     while steady.elapsed() < span {
@@ -618,7 +584,10 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
         refresh_ms.push(state["metrics"]["refreshMillis"].as_f64().unwrap());
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let steady_cost = minus(&minus(&api_requests(&client).await, &before), &baseline);
+    let steady_cost = minus(
+        &minus(&requests(&client).await.unwrap(), &before),
+        &baseline,
+    );
     served.sort();
     refresh_ms.sort_by(f64::total_cmp);
     eprintln!(
@@ -634,10 +603,6 @@ async fn dashboard_at_ten_clusters_and_a_thousand_services() {
     // A refresh and a page load list nothing: the objects are watched. (The
     // one GET a refresh makes per node proxy is absent here: these nodes
     // have no node proxies.)
-    let lists: f64 = steady_cost
-        .iter()
-        .filter(|((verb, _), _)| verb == "LIST")
-        .map(|(_, n)| n)
-        .sum();
+    let lists: f64 = apimetrics::verb(&steady_cost, "LIST").values().sum();
     assert_eq!(lists, 0.0, "the steady dashboard listed: {steady_cost:?}");
 }

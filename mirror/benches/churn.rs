@@ -21,7 +21,7 @@
 //! another `strait-mirror` build instead (A/B); STRAIT_CHURN_NOISE sets how
 //! many unexported Services there are (default: as many as exported).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,6 +36,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::Link;
+use strait_testenv::apimetrics::{self, Requests};
 use strait_testenv::process::{ChildProcess, rss_kib};
 use strait_testenv::workloads::ensure_namespace;
 use strait_testenv::{Cluster, kubeconfig};
@@ -229,55 +230,17 @@ fn watch_east(client: &Client, east: Arc<East>) {
 
 /// East's write requests so far, by "resource[/subresource] VERB", from the
 /// API server's own counter.
-async fn writes(client: &Client) -> BTreeMap<String, f64> {
-    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
-    let text = client.request_text(request).await.expect("east /metrics");
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let label = |k: &str| {
-            labels
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
-                .map(|v| v.trim_end_matches('"').to_string())
-                .unwrap_or_default()
-        };
-        let verb = label("verb");
-        if !["POST", "PUT", "PATCH", "APPLY", "DELETE"].contains(&verb.as_str()) {
-            continue;
-        }
-        let resource = label("resource");
-        let sub = label("subresource");
-        let key = if sub.is_empty() {
-            format!("{resource} {verb}")
-        } else {
-            format!("{resource}/{sub} {verb}")
-        };
-        *out.entry(key).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
-    }
-    out
-}
-
-fn delta(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> BTreeMap<String, u64> {
-    after
-        .iter()
-        .map(|(k, v)| (k.clone(), (v - before.get(k).unwrap_or(&0.0)) as u64))
-        .filter(|(_, v)| *v > 0)
-        .collect()
+async fn writes(client: &Client) -> Requests {
+    apimetrics::writes(&apimetrics::requests(client).await.expect("east /metrics"))
 }
 
 /// Writes to mirrors (Services and EndpointSlices) among `writes`.
-fn mirror_writes(writes: &BTreeMap<String, u64>) -> u64 {
+fn mirror_writes(writes: &Requests) -> u64 {
     writes
         .iter()
         .filter(|(k, _)| k.starts_with("services ") || k.starts_with("endpointslices "))
         .map(|(_, v)| v)
-        .sum()
+        .sum::<f64>() as u64
 }
 
 fn service(name: &str, exported: bool) -> serde_json::Value {
@@ -545,7 +508,7 @@ async fn main() {
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let churn_secs = churn_started.elapsed().as_secs_f64();
-    let churn_writes = delta(&before, &writes(&ec).await);
+    let churn_writes = apimetrics::minus(&writes(&ec).await, &before);
     let churn_service_changes = seen.service_changes.load(Ordering::Relaxed) - svc0;
     let churn_slice_changes = seen.slice_changes.load(Ordering::Relaxed) - slc0;
     let rss_after_churn = controller.lock().unwrap().rss_kib();
@@ -605,7 +568,7 @@ async fn main() {
     .await;
     let all_removed = unexport_started.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let burst_writes = delta(&before, &writes(&ec).await);
+    let burst_writes = apimetrics::minus(&writes(&ec).await, &before);
     let burst_service_changes = seen.service_changes.load(Ordering::Relaxed) - svc0;
     let burst_slice_changes = seen.slice_changes.load(Ordering::Relaxed) - slc0;
 

@@ -12,7 +12,11 @@
 //!    Beside it, the API server's floor for the same writes: a plain client
 //!    server-side-applies the same number of Services and EndpointSlices
 //!    (one of each per Service, in that order, 16 Services at a time as the
-//!    controller writes) into east, just before; the sync's ratio to it.
+//!    controller writes) into a fresh cluster started as east was, just
+//!    before; the sync's ratio to it. For both: CPU by control-plane
+//!    component and the API server's requests by resource and verb;
+//!    STRAIT_BENCH_PPROF_DIR=DIR also takes a 30 s CPU profile of each API
+//!    server (`go tool pprof -top DIR/FILE`).
 //! 3. API writes while idle for STRAIT_BENCH_IDLE_SECS (60): counted as changes
 //!    of resourceVersion across all mirrors and the Link.
 //! 4. West's API server restarted (every watch relists): mirrors rewritten
@@ -29,6 +33,7 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 use strait_mesh::link::Link;
+use strait_testenv::apimetrics::{self, Requests};
 use strait_testenv::process::{ChildProcess, cpu_seconds, rss_kib};
 use strait_testenv::workloads::ensure_namespace;
 use strait_testenv::{Cluster, kubeconfig};
@@ -45,7 +50,10 @@ struct Env {
 }
 
 async fn setup() -> Env {
-    let (east, west) = tokio::join!(Cluster::start("east"), Cluster::start("west"));
+    let (east, west) = tokio::join!(
+        Cluster::start_with(measured("east")),
+        Cluster::start("west")
+    );
     let (east, west) = (east.unwrap(), west.unwrap());
     let ec = east.client();
     let crds: Api<CustomResourceDefinition> = Api::all(ec.clone());
@@ -80,6 +88,14 @@ async fn setup() -> Env {
         controller,
         dir,
     }
+}
+
+/// A cluster whose API server is measured: it serves /debug/pprof, so
+/// STRAIT_BENCH_PPROF_DIR can take its CPU profile during the floor and the sync.
+fn measured(name: &str) -> strait_testenv::ClusterConfig {
+    let mut config = strait_testenv::ClusterConfig::new(name);
+    config.extra_apiserver_args.push("--profiling=true".into());
+    config
 }
 
 async fn link(env: &Env, name: &str) {
@@ -137,6 +153,83 @@ async fn floor(client: &Client, namespace: &str, size: usize) -> f64 {
         .collect::<Vec<()>>()
         .await;
     start.elapsed().as_secs_f64()
+}
+
+/// What a cluster's control plane had done by some moment: CPU seconds by
+/// component and requests served by resource and verb.
+struct Work {
+    cpu: BTreeMap<&'static str, f64>,
+    requests: Requests,
+}
+
+impl Work {
+    async fn now(cluster: &Cluster) -> Self {
+        Work {
+            cpu: cluster
+                .components()
+                .into_iter()
+                .map(|(name, pid)| (name, cpu_seconds(pid)))
+                .collect(),
+            requests: apimetrics::requests(&cluster.client()).await.unwrap(),
+        }
+    }
+
+    /// What was done since `before`: JSON for the results, and a line for
+    /// people (CPU by component, the most frequent requests).
+    fn since(&self, before: &Work) -> (serde_json::Value, String) {
+        let cpu: BTreeMap<&str, f64> = self
+            .cpu
+            .iter()
+            .map(|(k, v)| (*k, v - before.cpu.get(k).copied().unwrap_or(0.0)))
+            .collect();
+        let requests = apimetrics::minus(&self.requests, &before.requests);
+        let mut top: Vec<(&String, &f64)> = requests.iter().collect();
+        top.sort_by(|a, b| b.1.total_cmp(a.1));
+        let line = format!(
+            "CPU {}; requests {}",
+            cpu.iter()
+                .map(|(k, v)| format!("{k} {v:.1} s"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            top.iter()
+                .take(10)
+                .map(|(k, v)| format!("{k} {v:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        (json!({"cpu_seconds": cpu, "requests": requests}), line)
+    }
+}
+
+/// With STRAIT_BENCH_PPROF_DIR set: a 30 s CPU profile of `cluster`'s API
+/// server, taken 10 s from now, written to `<dir>/<name>.pprof` (read it with
+/// `go tool pprof -top FILE`).
+fn profile_api_server(cluster: &Cluster, name: &str) -> Option<tokio::task::JoinHandle<()>> {
+    let dir = std::path::PathBuf::from(std::env::var_os("STRAIT_BENCH_PPROF_DIR")?);
+    let (client, file) = (cluster.client(), dir.join(format!("{name}.pprof")));
+    let name = name.to_string();
+    Some(tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let request = http::Request::get("/debug/pprof/profile?seconds=30")
+            .body(Vec::new())
+            .unwrap();
+        match client.request_stream(request).await {
+            Ok(body) => {
+                use futures::AsyncReadExt;
+                let mut bytes = Vec::new();
+                let mut body = Box::pin(body);
+                match body.read_to_end(&mut bytes).await {
+                    Ok(_) => {
+                        std::fs::create_dir_all(&dir).unwrap();
+                        std::fs::write(&file, bytes).unwrap();
+                        println!("  API server CPU profile: {}", file.display());
+                    }
+                    Err(e) => println!("  API server CPU profile {name} failed: {e}"),
+                }
+            }
+            Err(e) => println!("  API server CPU profile {name} failed: {e}"),
+        }
+    }))
 }
 
 fn service(name: &str, label: &str) -> Service {
@@ -222,7 +315,23 @@ async fn main() {
         .buffer_unordered(32)
         .collect::<Vec<_>>()
         .await;
-        let floor_secs = floor(&ec, &format!("floor-{size}"), size).await;
+        // The floor runs in a cluster of its own, started as east was: a
+        // Service create costs the API server time in proportion to the
+        // Services already there (its ClusterIP allocator counts every
+        // allocated address on each allocation, for a metric), so the floor
+        // and the sync must start from the same count, not one after the other
+        // in one cluster.
+        let floor_cluster = Cluster::start_with(measured("floor")).await.unwrap();
+        let before = Work::now(&floor_cluster).await;
+        let profiling = profile_api_server(&floor_cluster, &format!("floor-{size}"));
+        let floor_secs = floor(&floor_cluster.client(), "floor", size).await;
+        if let Some(p) = profiling {
+            let _ = p.await;
+        }
+        let (floor_work, floor_line) = Work::now(&floor_cluster).await.since(&before);
+        println!("  the floor's API server ({floor_secs:.1} s): {floor_line}");
+        drop(floor_cluster);
+        let east_before = Work::now(&env.east).await;
         let rss_before = rss_kib(env.controller.pid().unwrap());
         // Where the time goes: CPU of the controller and of each cluster's
         // control plane (etcd, API server, controller manager) during the sync.
@@ -233,6 +342,7 @@ async fn main() {
             cpu(&env.west.pids()),
         );
         let start = Instant::now();
+        let profiling = profile_api_server(&env.east, &format!("sync-{size}"));
         link(&env, &label).await;
         let mut peak = rss_before;
         // Poll the Link's status (one small GET), not a list of thousands of
@@ -263,6 +373,7 @@ async fn main() {
             cpu(&env.east.pids()) - cpu_before.1,
             cpu(&env.west.pids()) - cpu_before.2,
         );
+        let (sync_work, sync_line) = Work::now(&env.east).await.since(&east_before);
         let listed = count_mirrors(&ec, &label).await;
         assert!(
             listed >= size,
@@ -282,6 +393,10 @@ async fn main() {
             cpu_spent.1,
             cpu_spent.2,
         );
+        println!("  east during the sync: {sync_line}");
+        if let Some(p) = profiling {
+            let _ = p.await;
+        }
         let ratio = took.as_secs_f64() / floor_secs;
         println!(
             "  sync / floor at {size}: {ratio:.2} (goal ≤ 1.20: {})",
@@ -291,6 +406,7 @@ async fn main() {
             "services": size, "sync_secs": took.as_secs_f64(), "floor_secs": floor_secs,
             "ratio": ratio, "rss_peak_kib": peak, "rss_before_kib": rss_before,
             "cpu_seconds": {"controller": cpu_spent.0, "east": cpu_spent.1, "west": cpu_spent.2},
+            "floor_cluster": floor_work, "east_during_sync": sync_work,
         }));
     }
 

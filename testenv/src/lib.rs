@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod apimetrics;
 pub mod cluster;
 pub mod conformance;
 pub mod controlplane;

@@ -456,15 +456,21 @@ impl Cluster {
 
     /// Process ids of the running components (for leak checks).
     pub fn pids(&self) -> Vec<u32> {
+        self.components().into_iter().map(|(_, pid)| pid).collect()
+    }
+
+    /// The running components by name (`etcd`, `kube-apiserver`, …) and
+    /// process id: where a benchmark's control-plane CPU goes.
+    pub fn components(&self) -> Vec<(&'static str, u32)> {
         [
-            &self.etcd,
-            &self.apiserver,
-            &self.controller_manager,
-            &self.scheduler,
-            &self.coredns,
+            ("etcd", &self.etcd),
+            ("kube-apiserver", &self.apiserver),
+            ("kube-controller-manager", &self.controller_manager),
+            ("kube-scheduler", &self.scheduler),
+            ("coredns", &self.coredns),
         ]
         .into_iter()
-        .filter_map(|c| c.as_ref().and_then(ChildProcess::pid))
+        .filter_map(|(name, c)| Some((name, c.as_ref().and_then(ChildProcess::pid)?)))
         .collect()
     }
 
