@@ -26,6 +26,8 @@
 mod haproxy;
 #[path = "support/machine.rs"]
 mod machine;
+#[path = "support/perf.rs"]
+mod perf;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -91,10 +93,25 @@ fn load(
     strait_load(&mesh.pods["client"].0, connect, (uri, host), rate, secs, 2)
 }
 
-fn measured(path: &str, rate: u32, pids: &[u32], run: impl FnOnce() -> serde_json::Value) -> Run {
+/// One path at one rate, with the CPU and RSS of `pids`; with
+/// `STRAIT_BENCH_PERF_DIR` set, `profile: Some(secs)` also records `pids`
+/// with `perf` for that long (the first round's runs).
+fn measured(
+    path: &str,
+    rate: u32,
+    pids: &[u32],
+    profile: Option<u64>,
+    run: impl FnOnce() -> serde_json::Value,
+) -> Run {
     let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
     let machine_before = machine::Reading::now();
+    let perf = perf::dir()
+        .zip(profile.filter(|_| !pids.is_empty()))
+        .map(|(dir, secs)| perf::record(&dir, &format!("{path} {rate}"), pids, secs));
     let report = run();
+    if let Some(mut perf) = perf {
+        let _ = perf.wait();
+    }
     let machine = machine_before.since();
     let cpu = pids
         .iter()
@@ -147,12 +164,17 @@ async fn main() {
     let haproxy_pids: Vec<u32> = haproxy.iter().filter_map(|p| p.pid()).collect();
     let relay = haproxy::start(&mesh, server, haproxy::Mode::Relay);
     let relay_pids: Vec<u32> = relay.iter().filter_map(|p| p.pid()).collect();
-    let through_haproxy = |mesh: &Mesh, label: &str, pids: &[u32], mode: haproxy::Mode, rate| {
-        let entry = SocketAddr::new(IpAddr::V4(node1), mode.entry_port());
-        measured(label, rate, pids, || {
-            load(mesh, entry, "/bench", "web.shop", rate, secs)
-        })
-    };
+    let through_haproxy =
+        |mesh: &Mesh, label: &str, pids: &[u32], mode: haproxy::Mode, rate, round| {
+            let entry = SocketAddr::new(IpAddr::V4(node1), mode.entry_port());
+            measured(
+                label,
+                rate,
+                pids,
+                (round == 0).then_some(secs.saturating_sub(1).max(1)),
+                || load(mesh, entry, "/bench", "web.shop", rate, secs),
+            )
+        };
 
     let repeat: usize = env_or("STRAIT_BENCH_REPEAT", "1").parse().unwrap();
     let mut runs = Vec::new();
@@ -161,13 +183,17 @@ async fn main() {
     for round in 0..repeat {
         let first_of_round = runs.len();
         for &rate in &rates {
-            runs.push(measured("direct", rate, &[], || {
+            runs.push(measured("direct", rate, &[], None, || {
                 load(&mesh, server, "/bench", "web.shop", rate, secs)
             }));
             let through_strait = |mesh: &Mesh, label: &str| {
-                measured(label, rate, &pids(mesh), || {
-                    load(mesh, strait_entry, url, "web.shop", rate, secs)
-                })
+                measured(
+                    label,
+                    rate,
+                    &pids(mesh),
+                    (round == 0).then_some(secs.saturating_sub(1).max(1)),
+                    || load(mesh, strait_entry, url, "web.shop", rate, secs),
+                )
             };
             runs.push(through_strait(&mesh, "strait-proxy"));
             if let Some(b) = &proxy_b {
@@ -181,6 +207,7 @@ async fn main() {
                 &haproxy_pids,
                 haproxy::Mode::Http,
                 rate,
+                round,
             ));
             runs.push(through_haproxy(
                 &mesh,
@@ -188,6 +215,7 @@ async fn main() {
                 &relay_pids,
                 haproxy::Mode::Relay,
                 rate,
+                round,
             ));
         }
         for r in &mut runs[first_of_round..] {

@@ -24,6 +24,8 @@
 // The proxy tests' additions to `strait_testenv::fixture` (transparent pods).
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "support/perf.rs"]
+mod perf;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -276,7 +278,13 @@ async fn main() {
         iperf(&app, MIRROR, 9000, 1)
     })
     .await;
-    let goal_results = goals(&mut west, &east, &wan, &gw_pod, &app, &iperf_pod, secs).await;
+    let path = BulkPath {
+        gateway: &gw_pod,
+        app: &app,
+        iperf: &iperf_pod,
+        pids: path_pids,
+    };
+    let goal_results = goals(&mut west, &east, &wan, path, secs).await;
     // Each run with the gateway's streams by transport during it: a QUIC run
     // that fell back to TCP (or the reverse) measured the other transport.
     let streams = || async {
@@ -487,6 +495,16 @@ async fn main() {
     }
 }
 
+/// Bulk through the gateway: the gateway's pod, east's transparent client
+/// pod, west's iperf3 pod and the Strait processes on the path (east proxy,
+/// gateway, west proxy).
+struct BulkPath<'a> {
+    gateway: &'a strait_testenv::NetPod,
+    app: &'a strait_testenv::NetPod,
+    iperf: &'a strait_testenv::NetPod,
+    pids: [u32; 3],
+}
+
 /// The goals for the gateway, unshaped, in interleaved rounds
 /// (`STRAIT_BENCH_REPEAT`, 3), with the gateway's streams by transport
 /// checked for every run:
@@ -503,12 +521,17 @@ async fn goals(
     west: &mut Mesh,
     east: &Mesh,
     wan: &Wan,
-    gw_pod: &strait_testenv::NetPod,
-    app: &strait_testenv::NetPod,
-    iperf_pod: &strait_testenv::NetPod,
+    path: BulkPath<'_>,
     secs: u64,
 ) -> serde_json::Value {
+    let BulkPath {
+        gateway: gw_pod,
+        app,
+        iperf: iperf_pod,
+        pids: path_pids,
+    } = path;
     let rounds: usize = env_or("STRAIT_BENCH_REPEAT", 3);
+    let perf_dir = perf::dir();
     let rate: u32 = env_or("STRAIT_BENCH_GOAL_RATE", 1000);
     let west_api = west.topology.cluster().client();
     let east_api = east.topology.cluster().client();
@@ -589,12 +612,24 @@ async fn goals(
                 _ => {}
             }
             let before = streams().await;
+            // STRAIT_BENCH_PERF_DIR: the first round's bulk through the
+            // gateway profiled (the three Strait processes on the path).
+            let perf = perf_dir
+                .as_ref()
+                .filter(|_| round == 0 && path != "direct")
+                .map(|dir| {
+                    let name = format!("bulk {path}");
+                    perf::record(dir, &name, &path_pids, secs.saturating_sub(2).max(1))
+                });
             let (gbits, _) = if path == "direct" {
                 iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs)
             } else {
                 iperf(app, MIRROR, 9000, secs)
             }
             .unwrap_or_else(|e| panic!("bulk over {path}: {e}"));
+            if let Some(mut perf) = perf {
+                let _ = perf.wait();
+            }
             let after = streams().await;
             let (quic, tcp) = (after.0 - before.0, after.1 - before.1);
             let wrong = match path {
