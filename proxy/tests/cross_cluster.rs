@@ -142,6 +142,19 @@ fn tcp_connects(pod: &NetPod, ip: Ipv4Addr, port: u16) -> bool {
 /// Requests through the mirror until one is answered by a west pod and
 /// `done` holds of the gateway's metrics; returns the time taken and the
 /// failed attempts (with their durations), for the report.
+/// One HTTP/2 request (prior knowledge) from `pod` to the mirror: the echo's JSON.
+fn h2c(pod: &NetPod, path: &str) -> Result<serde_json::Value, String> {
+    let out = pod
+        .command("curl")
+        .args(["-sS", "--noproxy", "*", "--max-time", "5"])
+        .args(["--http2-prior-knowledge", &format!("{MIRROR_URL}/{path}")])
+        .output()
+        .unwrap();
+    let body = String::from_utf8_lossy(&out.stdout).to_string();
+    serde_json::from_str::<serde_json::Value>(body.trim())
+        .map_err(|e| format!("{e}: {}", text(&out)))
+}
+
 async fn until_answered(
     what: &str,
     east: &Mesh,
@@ -251,15 +264,7 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     // HTTP/2 with prior knowledge from a transparent-mode pod (no proxy settings).
     let app = add_transparent_pod(&east, 0, "shop", "app", "client").await;
     let h2 = eventually("h2c to the mirror by name", WAIT, || async {
-        let out = app
-            .command("curl")
-            .args(["-sS", "--noproxy", "*", "--max-time", "5"])
-            .args(["--http2-prior-knowledge", &format!("{MIRROR_URL}/h2")])
-            .output()
-            .unwrap();
-        let body = String::from_utf8_lossy(&out.stdout).to_string();
-        serde_json::from_str::<serde_json::Value>(body.trim())
-            .map_err(|e| format!("{e}: {}", text(&out)))
+        h2c(&app, "h2")
     })
     .await;
     assert_eq!(h2["version"], "HTTP/2.0", "HTTP/2 end to end: {h2}");
@@ -315,6 +320,20 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
         |m| metric_sum(m, "gateway_connections_total", &["transport=\"tcp\""]) >= 1.0,
     )
     .await;
+    // An HTTP/2 caller's multiplexed tunnel opens over the fallback too.
+    let tcp_before = metric_sum(
+        &gateway_metrics(&gw_pod).await,
+        "gateway_streams_total",
+        &["transport=\"tcp\""],
+    );
+    eventually("h2c over TCP + TLS with UDP blocked", WAIT, || async {
+        h2c(&app, "h2-blocked")?;
+        let m = gateway_metrics(&gw_pod).await;
+        (metric_sum(&m, "gateway_streams_total", &["transport=\"tcp\""]) > tcp_before)
+            .then_some(())
+            .ok_or(format!("answered, not over TCP yet: {m}"))
+    })
+    .await;
     wan.unblock_udp().unwrap();
     let quic_before = metric_sum(
         &gateway_metrics(&gw_pod).await,
@@ -332,6 +351,20 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     eprintln!(
         "MEASURED block_udp → first TCP answer {blocked:?}; unblock → first QUIC stream {unblocked:?}"
     );
+    // The HTTP/2 tunnel over TCP is replaced by one over QUIC, not kept.
+    let quic_before = metric_sum(
+        &gateway_metrics(&gw_pod).await,
+        "gateway_streams_total",
+        &["transport=\"quic\""],
+    );
+    eventually("h2c back on QUIC", WAIT, || async {
+        h2c(&app, "h2-unblocked")?;
+        let m = gateway_metrics(&gw_pod).await;
+        (metric_sum(&m, "gateway_streams_total", &["transport=\"quic\""]) > quic_before)
+            .then_some(())
+            .ok_or(format!("answered, not over QUIC yet: {m}"))
+    })
+    .await;
 
     // 4. Nothing readable crosses the WAN.
     let dir = tempfile::tempdir().unwrap();

@@ -310,34 +310,8 @@ impl TunnelHeader {
                         });
                     }
                 }
-                field::POD_HTTP1 => {
-                    if !f.value.is_empty() {
-                        return Err(malformed(format!(
-                            "pod-HTTP/1 field is {} bytes, expected 0",
-                            f.value.len()
-                        )));
-                    }
-                    if std::mem::replace(&mut pod_http1, true) {
-                        return Err(HeaderError::DuplicateField {
-                            kind: Kind::Header,
-                            field: "pod-HTTP/1",
-                        });
-                    }
-                }
-                field::END_TO_END => {
-                    if !f.value.is_empty() {
-                        return Err(malformed(format!(
-                            "end-to-end field is {} bytes, expected 0",
-                            f.value.len()
-                        )));
-                    }
-                    if std::mem::replace(&mut end_to_end, true) {
-                        return Err(HeaderError::DuplicateField {
-                            kind: Kind::Header,
-                            field: "end-to-end",
-                        });
-                    }
-                }
+                field::POD_HTTP1 => set_flag(&mut pod_http1, f.value, "pod-HTTP/1")?,
+                field::END_TO_END => set_flag(&mut end_to_end, f.value, "end-to-end")?,
                 ty if ty & CRITICAL != 0 => {
                     return Err(HeaderError::UnknownCriticalField {
                         kind: Kind::Header,
@@ -388,6 +362,23 @@ impl TunnelHeader {
     pub async fn write_to<W: AsyncWrite + Unpin>(&self, w: &mut W) -> std::io::Result<()> {
         wire::write_frame(w, &self.encode()).await
     }
+}
+
+/// A flag field (empty, at most once) seen: sets `flag`.
+fn set_flag(flag: &mut bool, value: &[u8], field: &'static str) -> Result<(), HeaderError> {
+    if !value.is_empty() {
+        return Err(malformed(format!(
+            "{field} field is {} bytes, expected 0",
+            value.len()
+        )));
+    }
+    if std::mem::replace(flag, true) {
+        return Err(HeaderError::DuplicateField {
+            kind: Kind::Header,
+            field,
+        });
+    }
+    Ok(())
 }
 
 fn malformed(why: String) -> HeaderError {

@@ -17,7 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use strait_mesh::tunnel::client::TunnelError;
 use strait_mesh::tunnel::{Protocol, ResponseStatus};
 
-use super::pool::{EndpointConnector, FallbackTcp, H2Slot};
+use super::pool::{EndpointConnector, FallbackTcp, H2Slot, H2Tunnel, is_fallback_tcp};
 use super::{Body, Caller, Outbound, POOL_IDLE_TIMEOUT, empty_body, text};
 use crate::retry::{BudgetConfig, RetryBudget};
 use crate::view::{Endpoint, Resolved};
@@ -78,6 +78,22 @@ impl From<hyper_util::client::legacy::Error> for SendError {
             connect: e.is_connect(),
             timed_out: e.is_connect() && timed_out(&e),
             message,
+        }
+    }
+}
+
+/// Why there is no multiplexed tunnel: the hop's answer to opening it (a
+/// sender may act on a refusal), or the HTTP/2 handshake over it failed.
+enum H2Error {
+    Open(TunnelError),
+    Handshake(SendError),
+}
+
+impl From<H2Error> for SendError {
+    fn from(e: H2Error) -> Self {
+        match e {
+            H2Error::Open(e) => SendError::connect(e),
+            H2Error::Handshake(e) => e,
         }
     }
 }
@@ -229,8 +245,7 @@ impl Outbound {
             let started = Instant::now();
             let guard = self.balancer.start(&endpoint);
             let result = if http2 {
-                self.send_h2(&caller, &endpoint, request, Protocol::Http2)
-                    .await
+                self.send_h2(&caller, &endpoint, request).await
             } else if self.multiplexes(&endpoint) {
                 self.send_h1_multiplexed(&caller, &endpoint, request).await
             } else {
@@ -307,18 +322,13 @@ impl Outbound {
     /// A pooled TCP fallback stream to a gateway is not reused once QUIC
     /// works again (asking also starts the background QUIC attempt).
     fn retire_fallback(&self, endpoint: &Endpoint, captured: &CaptureConnection) {
-        let Some(gateways) = &self.opener.gateways else {
-            return;
-        };
         let metadata = captured.connection_metadata();
         let Some(connected) = metadata.as_ref() else {
             return;
         };
         let mut extras = http::Extensions::new();
         connected.get_extras(&mut extras);
-        if extras.get::<FallbackTcp>().is_some()
-            && gateways.prefers_quic(endpoint.addr, &endpoint.identity)
-        {
+        if extras.get::<FallbackTcp>().is_some() && self.quic_is_back(endpoint) {
             connected.poison();
         }
     }
@@ -330,21 +340,15 @@ impl Outbound {
         caller: &Caller,
         endpoint: &Endpoint,
         request: Request<Body>,
-        protocol: Protocol,
     ) -> Result<Response<Incoming>, SendError> {
-        match self.h2_sender(caller, endpoint, protocol).await? {
-            Some(sender) => Self::send_on(sender, request).await,
-            None => Err(SendError {
-                connect: true,
-                timed_out: false,
-                message: format!("{} does not accept HTTP/2 tunnels", endpoint.addr),
-            }),
-        }
+        let sender = self.h2_sender(caller, endpoint, Protocol::Http2).await?;
+        Self::send_on(sender, request).await
     }
 
     /// Sends an HTTP/1 caller's request as an HTTP/2 stream over the caller's
     /// multiplexed tunnel to the endpoint (HTTP/1 again at the pod); over a
-    /// tunnel of its own if the hop there predates multiplexing.
+    /// tunnel of its own if the hop there predates multiplexing (it refuses
+    /// the header as one it cannot read: remembered for [`PER_CONNECTION_FOR`]).
     async fn send_h1_multiplexed(
         &self,
         caller: &Caller,
@@ -353,16 +357,31 @@ impl Outbound {
     ) -> Result<Response<Incoming>, SendError> {
         match self
             .h2_sender(caller, endpoint, Protocol::Http1Multiplexed)
-            .await?
+            .await
         {
-            Some(sender) => {
+            Ok(sender) => {
                 *request.version_mut() = http::Version::HTTP_2;
                 let mut response = Self::send_on(sender, request).await?;
                 // Answered to an HTTP/1 caller (its connection's own version).
                 *response.version_mut() = http::Version::HTTP_11;
                 Ok(response)
             }
-            None => self.send_h1(caller, endpoint, request).await,
+            Err(H2Error::Open(TunnelError::Refused {
+                status: ResponseStatus::BadHeader,
+                message,
+                ..
+            })) => {
+                tracing::info!(
+                    hop = %endpoint.hop(),
+                    "HTTP/1 multiplexing refused ({message}): per-connection tunnels there for {PER_CONNECTION_FOR:?}"
+                );
+                self.per_connection_until
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(endpoint.hop(), Instant::now() + PER_CONNECTION_FOR);
+                self.send_h1(caller, endpoint, request).await
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -388,15 +407,15 @@ impl Outbound {
     }
 
     /// The caller's multiplexed tunnel to the endpoint carrying `protocol`,
-    /// opened (or a closed one replaced) first; `None` when the hop refused
-    /// the header as one it cannot read (a version before
-    /// [`Protocol::Http1Multiplexed`]: remembered for [`PER_CONNECTION_FOR`]).
+    /// opened first if there is none, it closed, or it is a TCP fallback
+    /// stream to a gateway that QUIC reaches again (its streams in flight
+    /// finish on it).
     async fn h2_sender(
         &self,
         caller: &Caller,
         endpoint: &Endpoint,
         protocol: Protocol,
-    ) -> Result<Option<hyper::client::conn::http2::SendRequest<Body>>, SendError> {
+    ) -> Result<hyper::client::conn::http2::SendRequest<Body>, H2Error> {
         let pools = if protocol == Protocol::Http2 {
             &self.http2
         } else {
@@ -407,40 +426,42 @@ impl Outbound {
         let slot =
             pools.get_or_insert(&Self::pool_key(caller, endpoint), |_| true, H2Slot::default);
         let mut slot = slot.lock().await;
-        if let Some(sender) = slot.as_ref().filter(|s| !s.is_closed()) {
-            return Ok(Some(sender.clone()));
+        if let Some(tunnel) = slot.as_ref()
+            && !tunnel.sender.is_closed()
+            && !(tunnel.fallback && self.quic_is_back(endpoint))
+        {
+            return Ok(tunnel.sender.clone());
         }
-        let tunnel = match self.opener.open(&caller.identity, endpoint, protocol).await {
-            Ok(tunnel) => tunnel,
-            Err(TunnelError::Refused {
-                status: ResponseStatus::BadHeader,
-                message,
-                ..
-            }) if protocol == Protocol::Http1Multiplexed => {
-                tracing::info!(
-                    hop = %endpoint.hop(),
-                    "HTTP/1 multiplexing refused ({message}): per-connection tunnels there for {PER_CONNECTION_FOR:?}"
-                );
-                self.per_connection_until
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(endpoint.hop(), Instant::now() + PER_CONNECTION_FOR);
-                return Ok(None);
-            }
-            Err(e) => return Err(SendError::connect(e)),
-        };
+        let tunnel = self
+            .opener
+            .open(&caller.identity, endpoint, protocol)
+            .await
+            .map_err(H2Error::Open)?;
+        let fallback = is_fallback_tcp(&tunnel);
         let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .handshake(TokioIo::new(tunnel))
             .await
-            .map_err(SendError::connect)?;
+            .map_err(|e| H2Error::Handshake(SendError::connect(e)))?;
         let pod = endpoint.addr;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(%pod, "HTTP/2 tunnel: {e}");
             }
         });
-        *slot = Some(sender.clone());
-        Ok(Some(sender))
+        *slot = Some(H2Tunnel {
+            sender: sender.clone(),
+            fallback,
+        });
+        Ok(sender)
+    }
+
+    /// Whether QUIC to the gateway in front of `endpoint` works again (asking
+    /// also starts the background QUIC attempt).
+    fn quic_is_back(&self, endpoint: &Endpoint) -> bool {
+        self.opener
+            .gateways
+            .as_ref()
+            .is_some_and(|g| g.prefers_quic(endpoint.addr, &endpoint.identity))
     }
 
     async fn send_on(

@@ -171,13 +171,29 @@ impl ConfigCache {
 
 /// A multiplexed tunnel's HTTP/2 sender, once opened; the lock is held while
 /// it is being opened, so concurrent first requests share one tunnel.
-pub(super) type H2Slot<B> =
-    Arc<tokio::sync::Mutex<Option<hyper::client::conn::http2::SendRequest<B>>>>;
+pub(super) type H2Slot<B> = Arc<tokio::sync::Mutex<Option<H2Tunnel<B>>>>;
+
+/// An open multiplexed tunnel.
+pub(super) struct H2Tunnel<B> {
+    pub(super) sender: hyper::client::conn::http2::SendRequest<B>,
+    /// It is a TCP fallback stream to a gateway (replaced once QUIC works again).
+    pub(super) fallback: bool,
+}
 
 /// Whether a slot may be kept: being opened, or open.
 pub(super) fn slot_in_use<B>(slot: &H2Slot<B>) -> bool {
     slot.try_lock()
-        .map_or(true, |s| s.as_ref().is_some_and(|s| !s.is_closed()))
+        .map_or(true, |s| s.as_ref().is_some_and(|t| !t.sender.is_closed()))
+}
+
+/// Whether `stream` is a TCP fallback stream to a gateway (bare, or carrying
+/// an end-to-end session).
+pub(super) fn is_fallback_tcp(stream: &TunnelStream) -> bool {
+    match stream {
+        Either::Right(Either::Left(s)) => s.transport() == "tcp",
+        Either::Right(Either::Right(s)) => s.get_ref().0.transport() == "tcp",
+        Either::Left(_) => false,
+    }
 }
 
 /// What a pooled connection is for: one caller's identity to one endpoint
@@ -292,14 +308,10 @@ pub(super) struct FallbackTcp;
 
 impl Connection for TunnelIo {
     fn connected(&self) -> Connected {
-        match self.0.inner() {
-            Either::Right(Either::Left(s)) if s.transport() == "tcp" => {
-                Connected::new().extra(FallbackTcp)
-            }
-            Either::Right(Either::Right(s)) if s.get_ref().0.transport() == "tcp" => {
-                Connected::new().extra(FallbackTcp)
-            }
-            _ => Connected::new(),
+        if is_fallback_tcp(self.0.inner()) {
+            Connected::new().extra(FallbackTcp)
+        } else {
+            Connected::new()
         }
     }
 }
