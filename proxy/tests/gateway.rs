@@ -253,7 +253,18 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
     let Some(mut mesh) = mesh(Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await else {
         return;
     };
-    let (gw_pod, gw) = start_gateway(&mut mesh, 2, &[]).await;
+    let count: usize = std::env::var("STRAIT_IDLE_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        // 2 000 in CI (debug builds, 2 cores: ~10 ms per handshake pair);
+        // the 10 000 of the issue with STRAIT_IDLE_CONNECTIONS=10000 and a
+        // release gateway (a debug one, at full CPU through the burst, lets a
+        // few dozen handshakes reach its time-out).
+        .unwrap_or(2_000);
+    // Each of the gateway's listeners holds at most --max-connections (8 192 by
+    // default); this test holds `count` on each, plus the warm-up's.
+    let max = format!("--max-connections={}", count + 1_000);
+    let (gw_pod, gw) = start_gateway(&mut mesh, 2, &[&max]).await;
     let pid = gw.pid().unwrap();
     mesh.proxies.push(gw);
     let (cert, bundle) = component_identity(&mesh, "strait-proxy");
@@ -273,12 +284,6 @@ async fn the_gateway_holds_thousands_of_idle_quic_connections_with_bounded_memor
     let client_config = strait_mesh::tunnel::quic::client_config(tls).unwrap();
     let gw_addr = std::net::SocketAddr::new(std::net::IpAddr::V4(gw_pod.ip()), 4143);
     let server_name = "strait-gateway.strait-system.identity.strait.internal";
-    let count: usize = std::env::var("STRAIT_IDLE_CONNECTIONS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        // 2 000 in CI (debug builds, 2 cores: ~10 ms per handshake pair);
-        // the 10 000 of the issue with STRAIT_IDLE_CONNECTIONS=10000.
-        .unwrap_or(2_000);
     // Warm up (first connections allocate the gateway's shared state), then measure.
     let endpoint = strait_mesh::tunnel::quic::endpoint("0.0.0.0:0".parse().unwrap(), None).unwrap();
     let mut held = Vec::with_capacity(count + 16);
