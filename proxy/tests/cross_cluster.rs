@@ -139,9 +139,6 @@ fn tcp_connects(pod: &NetPod, ip: Ipv4Addr, port: u16) -> bool {
         .success()
 }
 
-/// Requests through the mirror until one is answered by a west pod and
-/// `done` holds of the gateway's metrics; returns the time taken and the
-/// failed attempts (with their durations), for the report.
 /// One HTTP/2 request (prior knowledge) from `pod` to the mirror: the echo's JSON.
 fn h2c(pod: &NetPod, path: &str) -> Result<serde_json::Value, String> {
     let out = pod
@@ -155,6 +152,25 @@ fn h2c(pod: &NetPod, path: &str) -> Result<serde_json::Value, String> {
         .map_err(|e| format!("{e}: {}", text(&out)))
 }
 
+/// HTTP/2 requests from `pod` until one is answered over `transport`
+/// (`quic` or `tcp`): a new stream of that transport at the gateway.
+async fn h2c_over(pod: &NetPod, gateway: &NetPod, transport: &str, path: &str) {
+    let label = format!("transport=\"{transport}\"");
+    let streams = |m: &str| metric_sum(m, "gateway_streams_total", &[label.as_str()]);
+    let before = streams(&gateway_metrics(gateway).await);
+    eventually(&format!("h2c over {transport}"), WAIT, || async {
+        h2c(pod, path)?;
+        let m = gateway_metrics(gateway).await;
+        (streams(&m) > before)
+            .then_some(())
+            .ok_or(format!("answered, not over {transport} yet: {m}"))
+    })
+    .await;
+}
+
+/// Requests through the mirror until one is answered by a west pod and
+/// `done` holds of the gateway's metrics; returns the time taken and the
+/// failed attempts (with their durations), for the report.
 async fn until_answered(
     what: &str,
     east: &Mesh,
@@ -321,19 +337,7 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
     )
     .await;
     // An HTTP/2 caller's multiplexed tunnel opens over the fallback too.
-    let tcp_before = metric_sum(
-        &gateway_metrics(&gw_pod).await,
-        "gateway_streams_total",
-        &["transport=\"tcp\""],
-    );
-    eventually("h2c over TCP + TLS with UDP blocked", WAIT, || async {
-        h2c(&app, "h2-blocked")?;
-        let m = gateway_metrics(&gw_pod).await;
-        (metric_sum(&m, "gateway_streams_total", &["transport=\"tcp\""]) > tcp_before)
-            .then_some(())
-            .ok_or(format!("answered, not over TCP yet: {m}"))
-    })
-    .await;
+    h2c_over(&app, &gw_pod, "tcp", "h2-blocked").await;
     wan.unblock_udp().unwrap();
     let quic_before = metric_sum(
         &gateway_metrics(&gw_pod).await,
@@ -352,19 +356,7 @@ async fn east_calls_west_through_the_gateway_across_the_wan() {
         "MEASURED block_udp → first TCP answer {blocked:?}; unblock → first QUIC stream {unblocked:?}"
     );
     // The HTTP/2 tunnel over TCP is replaced by one over QUIC, not kept.
-    let quic_before = metric_sum(
-        &gateway_metrics(&gw_pod).await,
-        "gateway_streams_total",
-        &["transport=\"quic\""],
-    );
-    eventually("h2c back on QUIC", WAIT, || async {
-        h2c(&app, "h2-unblocked")?;
-        let m = gateway_metrics(&gw_pod).await;
-        (metric_sum(&m, "gateway_streams_total", &["transport=\"quic\""]) > quic_before)
-            .then_some(())
-            .ok_or(format!("answered, not over QUIC yet: {m}"))
-    })
-    .await;
+    h2c_over(&app, &gw_pod, "quic", "h2-unblocked").await;
 
     // 4. Nothing readable crosses the WAN.
     let dir = tempfile::tempdir().unwrap();
