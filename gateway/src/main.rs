@@ -68,6 +68,17 @@ struct Args {
     /// Log format: plain or json.
     #[arg(long, env = "STRAIT_LOG_FORMAT", default_value = "plain")]
     log_format: LogFormat,
+    /// Runtime threads. 1 (the default, as linkerd2-proxy runs on one core
+    /// unless given more): a single-threaded runtime: quinn's endpoint task,
+    /// its connection tasks and the streams wake each other without crossing
+    /// threads. Measured in `scripts/bench-wan.sh` on two CPUs: QUIC bulk
+    /// through the gateway 1.09× the TCP fallback in both of two runs, against
+    /// 0.86–0.93× in five runs with a worker per CPU (BENCHMARKS.md).
+    /// 0 = one worker per available CPU (cgroup limits included), N = N
+    /// workers: for a TCP fallback carrying more than one core's worth of
+    /// connections.
+    #[arg(long, env = "STRAIT_GATEWAY_WORKERS", default_value_t = 1)]
+    workers: usize,
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -77,9 +88,27 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("{s:?}: write the label as key=value"))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let mut runtime = match args.workers {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        // 0: tokio's default, one worker per available CPU.
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if n > 1 {
+                builder.worker_threads(n);
+            }
+            builder
+        }
+    };
+    runtime
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     let metrics = GatewayMetrics::default();
     let identity_metrics = IdentityMetrics::default();

@@ -32,7 +32,7 @@ mod perf;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
-use strait_testenv::process::{cpu_seconds, rss_kib};
+use strait_testenv::process::{cpu_seconds, rss_kib, rss_parts_kib};
 
 use strait_testenv::fixture::*;
 
@@ -50,6 +50,8 @@ struct Run {
     /// CPU seconds of each measured process (node 1's first).
     cpu: Vec<f64>,
     rss_kib: u64,
+    /// RSS by kind, each process's `[anonymous, file-backed, shmem]`.
+    rss_parts_kib: Vec<[u64; 3]>,
     machine: machine::Usage,
 }
 
@@ -126,6 +128,7 @@ fn measured(
         report,
         cpu,
         rss_kib: pids.iter().map(|p| rss_kib(*p)).sum(),
+        rss_parts_kib: pids.iter().map(|p| rss_parts_kib(*p)).collect(),
         machine,
     }
 }
@@ -302,6 +305,7 @@ async fn main() {
                 serde_json::json!({
                     "path": r.path, "rate": r.rate, "round": r.round, "load": r.report, "cpu_seconds": r.cpu,
                     "cpu_per_1k_rps": r.per_k(secs), "rss_kib": r.rss_kib,
+                    "rss_anon_file_shmem_kib": r.rss_parts_kib,
                     "cpu_wait": r.machine.cpu_wait, "steal": r.machine.steal,
                 })
             })

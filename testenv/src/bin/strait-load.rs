@@ -98,6 +98,9 @@ impl Due {
 #[derive(Default)]
 struct Outcome {
     latencies_us: Vec<u64>,
+    /// When each of `latencies_us` was due, in µs after the measured window
+    /// began (same order).
+    due_us: Vec<u64>,
     errors: u64,
     /// Errors by kind: `connect`, `send`, `body`, or `status NNN`.
     error_kinds: BTreeMap<String, u64>,
@@ -193,6 +196,8 @@ async fn connection(
             let now = Instant::now();
             out.latencies_us
                 .push(now.duration_since(due.clock_start()).as_micros() as u64);
+            out.due_us
+                .push(due.intended.duration_since(measure_from).as_micros() as u64);
             out.answered_in_window += u64::from(answered && now <= measure_end);
         }
     }
@@ -227,6 +232,7 @@ fn main() -> anyhow::Result<()> {
         for t in tasks {
             let o = t.await?;
             all.latencies_us.extend(o.latencies_us);
+            all.due_us.extend(o.due_us);
             all.errors += o.errors;
             all.server_closes += o.server_closes;
             all.answered_in_window += o.answered_in_window;
@@ -237,6 +243,7 @@ fn main() -> anyhow::Result<()> {
         anyhow::Ok(all)
     })?;
     let mut all = all;
+    let tail = Tail::of(&all.latencies_us, &all.due_us, args.duration);
     all.latencies_us.sort_unstable();
     let pct = |p: f64| -> f64 {
         if all.latencies_us.is_empty() {
@@ -270,9 +277,53 @@ fn main() -> anyhow::Result<()> {
         "p99_ms": pct(0.99),
         "p999_ms": pct(0.999),
         "max_ms": pct(1.0),
+        "over_p99_per_second": tail.over_p99_per_second,
+        "slowest": tail.slowest,
     });
     println!("{report}");
     Ok(())
+}
+
+/// Where in the window the tail fell: whether the slowest requests cluster
+/// in time (a stall of the path: a pause, a timer, a congestion window)
+/// or spread evenly (scheduling noise).
+#[derive(Debug, PartialEq)]
+struct Tail {
+    /// Requests slower than the p99, by the second of the window they were
+    /// due in.
+    over_p99_per_second: Vec<u64>,
+    /// The ten slowest as `[due ms into the window, latency ms]`, slowest
+    /// first.
+    slowest: Vec<[f64; 2]>,
+}
+
+impl Tail {
+    fn of(latencies_us: &[u64], due_us: &[u64], window: Duration) -> Self {
+        let mut by_latency: Vec<(u64, u64)> = latencies_us
+            .iter()
+            .copied()
+            .zip(due_us.iter().copied())
+            .collect();
+        by_latency.sort_unstable_by_key(|&(latency, _)| std::cmp::Reverse(latency));
+        // The requests past the p99 (the slowest 1 %).
+        let over = &by_latency[..by_latency.len() / 100];
+        let mut over_p99_per_second = vec![0; window.as_secs().max(1) as usize];
+        for &(_, due) in over {
+            let second = (due / 1_000_000) as usize;
+            if let Some(n) = over_p99_per_second.get_mut(second) {
+                *n += 1;
+            }
+        }
+        let slowest = by_latency
+            .iter()
+            .take(10)
+            .map(|&(latency, due)| [due as f64 / 1000.0, latency as f64 / 1000.0])
+            .collect();
+        Self {
+            over_p99_per_second,
+            slowest,
+        }
+    }
 }
 
 /// Hands request `n`, due at `start + n / rate`, to connection
@@ -339,5 +390,34 @@ async fn sleep(timer: &AsyncFd<OwnedFd>, wait: Duration) -> io::Result<()> {
         if let Ok(read) = ready.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut expirations)?)) {
             return read.map(drop);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_shows_where_the_slowest_fell() {
+        // 1 000 requests over 2 s, 1 ms each, but the 10 due at 1.5 s+ took 9 ms.
+        let due: Vec<u64> = (0..1000).map(|i| i * 2_000).collect();
+        let latency: Vec<u64> = due
+            .iter()
+            .map(|&d| {
+                if (1_500_000..1_520_000).contains(&d) {
+                    9_000
+                } else {
+                    1_000
+                }
+            })
+            .collect();
+        let tail = Tail::of(&latency, &due, Duration::from_secs(2));
+        assert_eq!(tail.over_p99_per_second, vec![0, 10]);
+        assert_eq!(tail.slowest.len(), 10);
+        assert!(
+            tail.slowest
+                .iter()
+                .all(|&[at, ms]| ms == 9.0 && at >= 1500.0)
+        );
     }
 }
