@@ -90,20 +90,7 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mut runtime = match args.workers {
-        1 => tokio::runtime::Builder::new_current_thread(),
-        // 0: tokio's default, one worker per available CPU.
-        n => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            if n > 1 {
-                builder.worker_threads(n);
-            }
-            builder
-        }
-    };
-    runtime
-        .enable_all()
-        .build()
+    strait_mesh::runtime::build(args.workers)
         .context("starting the runtime")?
         .block_on(run(args))
 }

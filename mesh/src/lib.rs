@@ -16,5 +16,6 @@ pub mod link;
 pub mod mcs;
 pub mod names;
 pub mod policy;
+pub mod runtime;
 pub mod telemetry;
 pub mod tunnel;

@@ -162,20 +162,11 @@ fn main() -> anyhow::Result<()> {
         n => n,
     };
     // Per core, the main thread is one of the single-threaded workers.
-    let mut runtime = match args.workers {
-        _ if args.runtime == RuntimeModel::PerCore => tokio::runtime::Builder::new_current_thread(),
-        1 => tokio::runtime::Builder::new_current_thread(),
-        n => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            if n > 1 {
-                builder.worker_threads(n);
-            }
-            builder
-        }
+    let workers = match args.runtime {
+        RuntimeModel::PerCore => 1,
+        RuntimeModel::Shared => args.workers,
     };
-    runtime
-        .enable_all()
-        .build()
+    strait_mesh::runtime::build(workers)
         .context("starting the runtime")?
         .block_on(run(args, threads))
 }
