@@ -287,12 +287,7 @@ async fn main() {
     let goal_results = goals(&mut west, &east, &wan, path, secs).await;
     // Each run with the gateway's streams by transport during it: a QUIC run
     // that fell back to TCP (or the reverse) measured the other transport.
-    let streams = || async {
-        (
-            gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await,
-            gateway_metric(&gw_pod, "gateway_streams_total", &["transport=\"tcp\""]).await,
-        )
-    };
+    let streams = || gateway_streams(&gw_pod);
     // Each bulk run with the gateway's streams by transport during it.
     let mut bulk_runs = Vec::new();
     for (label, transparent) in [
@@ -495,6 +490,14 @@ async fn main() {
     }
 }
 
+/// `gw`'s `gateway_streams_total`: (QUIC, TCP).
+async fn gateway_streams(gw: &strait_testenv::NetPod) -> (f64, f64) {
+    (
+        gateway_metric(gw, "gateway_streams_total", &["transport=\"quic\""]).await,
+        gateway_metric(gw, "gateway_streams_total", &["transport=\"tcp\""]).await,
+    )
+}
+
 /// Bulk through the gateway: the gateway's pod, east's transparent client
 /// pod, west's iperf3 pod and the Strait processes on the path (east proxy,
 /// gateway, west proxy).
@@ -517,6 +520,12 @@ struct BulkPath<'a> {
 ///   (node 1): directly, through west's node proxy pair, and from east's
 ///   client pod through east's proxy, the gateway (QUIC) and west's proxy.
 ///   Added p99 = p99 − the same round's direct p99.
+///
+/// `STRAIT_BENCH_GATEWAY_B="--workers=0"` (flags, space-separated) adds an A/B
+/// of the gateway's settings in the same rounds: a second gateway (node 0)
+/// with those flags, mirrors `iperf-westb` and `solo-westb` through it, and
+/// paths "QUIC B" (bulk) and "cross-cluster B" (latency) run next to "QUIC"
+/// and "cross-cluster", B first in odd rounds.
 async fn goals(
     west: &mut Mesh,
     east: &Mesh,
@@ -546,14 +555,39 @@ async fn goals(
         &west.trust_domain,
     )
     .await;
+    let gateway_b = match std::env::var("STRAIT_BENCH_GATEWAY_B") {
+        Ok(flags) => {
+            let flags: Vec<&str> = flags.split_whitespace().collect();
+            let (pod, child) = start_gateway(west, 0, &flags).await;
+            west.proxies.push(child);
+            wan.expose_pod(&pod, &[4143]).unwrap();
+            for service in ["iperf", "solo"] {
+                mirror_service(
+                    &east_api,
+                    service,
+                    "westb",
+                    IpAddr::V4(pod.ip()),
+                    &west.trust_domain,
+                )
+                .await;
+            }
+            println!("gateway B: {}", flags.join(" "));
+            Some(pod)
+        }
+        Err(_) => None,
+    };
     add_client_named(west, 1, "west-client").await;
     let west_client = &west.pods["west-client"].0;
     let solo = west.pods["solo-1"].0.ip();
     let east_client = &east.pods["client"].0;
     let solo_west = "http://solo-west.shop.svc.cluster.local/bench";
     let solo_local = "http://solo.shop.svc.cluster.local/bench";
+    let solo_westb = "http://solo-westb.shop.svc.cluster.local/bench";
     eventually("solo answers from west and from east", WAIT, || async {
         answered_by(&curl(east, &[solo_west]))?;
+        if gateway_b.is_some() {
+            answered_by(&curl(east, &[solo_westb]))?;
+        }
         answered_by(&curl_via(
             west_client,
             &format!("http://{}:4140", west_client.node().ip()),
@@ -561,17 +595,33 @@ async fn goals(
         ))
     })
     .await;
-    let streams = || async {
-        (
-            gateway_metric(gw_pod, "gateway_streams_total", &["transport=\"quic\""]).await,
-            gateway_metric(gw_pod, "gateway_streams_total", &["transport=\"tcp\""]).await,
-        )
+    // The gateway's streams by transport (B's on B's paths).
+    let streams_of = gateway_streams;
+    let gw_of = |path: &str| match (&gateway_b, path.ends_with(" B")) {
+        (Some(b), true) => b,
+        _ => gw_pod,
+    };
+    // Paths of a round, B next to A (first in odd rounds).
+    let with_b = |paths: &[&'static str], a: &'static str, b: &'static str, round: usize| {
+        let mut out = paths.to_vec();
+        if gateway_b.is_some() {
+            let at = out.iter().position(|p| *p == a).unwrap();
+            out.insert(if round % 2 == 1 { at } else { at + 1 }, b);
+        }
+        out
     };
     const MIRROR: &str = "iperf-west.shop.svc.cluster.local";
-    // Until a new tunnel through the gateway goes on `tcp` (true) or QUIC:
-    // a one-second iperf3 from the transparent pod (opaque connections, a
-    // new stream each; pooled HTTP tunnels would not show a switch).
-    let on = |tcp: bool| async move {
+    const MIRROR_B: &str = "iperf-westb.shop.svc.cluster.local";
+    // Until a new tunnel through the gateway of `path` (B's for a B path)
+    // goes on `tcp` (true) or QUIC: a one-second iperf3 from the
+    // transparent pod (opaque connections, a new stream each; pooled HTTP
+    // tunnels would not show a switch).
+    let on = |tcp: bool, path: &'static str| async move {
+        let (gw, mirror) = if path.ends_with(" B") {
+            (gw_of(path), MIRROR_B)
+        } else {
+            (gw_pod, MIRROR)
+        };
         eventually(
             if tcp {
                 "on the TCP fallback"
@@ -580,9 +630,9 @@ async fn goals(
             },
             Duration::from_secs(60),
             || async {
-                let before = streams().await;
-                iperf(app, MIRROR, 9000, 1)?;
-                let after = streams().await;
+                let before = streams_of(gw).await;
+                iperf(app, mirror, 9000, 1)?;
+                let after = streams_of(gw).await;
                 let (quic, tcp_streams) = (after.0 - before.0, after.1 - before.1);
                 let moved = if tcp {
                     tcp_streams > 0.0 && quic == 0.0
@@ -602,38 +652,38 @@ async fn goals(
     let mut latency: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     let mut raw = Vec::new();
     for round in 0..rounds {
-        for path in ["QUIC", "TCP+TLS", "direct"] {
+        for path in with_b(&["QUIC", "TCP+TLS", "direct"], "QUIC", "QUIC B", round) {
             match path {
                 "TCP+TLS" => {
                     wan.block_udp().unwrap();
-                    on(true).await;
+                    on(true, path).await;
                 }
-                "QUIC" => on(false).await,
+                "QUIC" | "QUIC B" => on(false, path).await,
                 _ => {}
             }
-            let before = streams().await;
+            let before = streams_of(gw_of(path)).await;
             // STRAIT_BENCH_PERF_DIR: the first round's bulk through the
             // gateway profiled (the three Strait processes on the path).
             let perf = perf_dir
                 .as_ref()
-                .filter(|_| round == 0 && path != "direct")
+                .filter(|_| round == 0 && path != "direct" && path != "QUIC B")
                 .map(|dir| {
                     let name = format!("bulk {path}");
                     perf::record(dir, &name, &path_pids, secs.saturating_sub(2).max(1))
                 });
-            let (gbits, _) = if path == "direct" {
-                iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs)
-            } else {
-                iperf(app, MIRROR, 9000, secs)
+            let (gbits, _) = match path {
+                "direct" => iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs),
+                "QUIC B" => iperf(app, MIRROR_B, 9000, secs),
+                _ => iperf(app, MIRROR, 9000, secs),
             }
             .unwrap_or_else(|e| panic!("bulk over {path}: {e}"));
             if let Some(mut perf) = perf {
                 let _ = perf.wait();
             }
-            let after = streams().await;
+            let after = streams_of(gw_of(path)).await;
             let (quic, tcp) = (after.0 - before.0, after.1 - before.1);
             let wrong = match path {
-                "QUIC" => tcp,
+                "QUIC" | "QUIC B" => tcp,
                 "TCP+TLS" => quic,
                 _ => 0.0,
             };
@@ -650,9 +700,17 @@ async fn goals(
                 wan.unblock_udp().unwrap();
             }
         }
-        on(false).await;
-        for path in ["direct", "node proxy pair", "cross-cluster"] {
-            let before = streams().await;
+        on(false, "QUIC").await;
+        if gateway_b.is_some() {
+            on(false, "QUIC B").await;
+        }
+        for path in with_b(
+            &["direct", "node proxy pair", "cross-cluster"],
+            "cross-cluster",
+            "cross-cluster B",
+            round,
+        ) {
+            let before = streams_of(gw_of(path)).await;
             let (client, connect, target) = match path {
                 "direct" => (
                     west_client,
@@ -664,6 +722,11 @@ async fn goals(
                     SocketAddr::new(IpAddr::V4(west_client.node().ip()), 4140),
                     (solo_local, "solo.shop.svc.cluster.local"),
                 ),
+                "cross-cluster B" => (
+                    east_client,
+                    SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
+                    (solo_westb, "solo-westb.shop.svc.cluster.local"),
+                ),
                 _ => (
                     east_client,
                     SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
@@ -671,9 +734,9 @@ async fn goals(
                 ),
             };
             let r = strait_load(client, connect, target, rate, secs, 3);
-            let after = streams().await;
+            let after = streams_of(gw_of(path)).await;
             assert_eq!(r["errors"].as_u64(), Some(0), "{path} at {rate} rps: {r}");
-            if path == "cross-cluster" {
+            if path.starts_with("cross-cluster") {
                 assert!(after.1 == before.1, "cross-cluster run went over TCP");
             }
             latency
@@ -717,7 +780,15 @@ gateway goals, unshaped, {rounds} interleaved rounds, {secs} s per run (medians,
             .map(|(p, d)| p - d)
             .collect()
     };
-    for path in ["direct", "node proxy pair", "cross-cluster"] {
+    for path in [
+        "direct",
+        "node proxy pair",
+        "cross-cluster",
+        "cross-cluster B",
+    ]
+    .into_iter()
+    .filter(|p| latency.contains_key(p))
+    {
         println!(
             "  {rate} rps p99 {path:<16} {:>7.2} ms ({}); added {:>6.2} ms",
             med(&latency[path]),
@@ -734,6 +805,21 @@ gateway goals, unshaped, {rounds} interleaved rounds, {secs} s per run (medians,
             "NOT met"
         }
     );
+    let b = gateway_b.as_ref().map(|_| {
+        let quic_b_vs_tcp = med(&bulk["QUIC B"]) / med(&bulk["TCP+TLS"]);
+        let quic_b_vs_a: Vec<f64> = bulk["QUIC B"].iter().zip(&bulk["QUIC"]).map(|(b, a)| b / a).collect();
+        let latency_b = med(&added("cross-cluster B")) / med(&added("node proxy pair"));
+        println!(
+            "  gateway B: bulk QUIC B / TCP+TLS fallback {quic_b_vs_tcp:.2}; QUIC B / QUIC per round {}; added p99 cross-cluster B / pair {latency_b:.2}",
+            quic_b_vs_a.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ")
+        );
+        serde_json::json!({
+            "flags": std::env::var("STRAIT_BENCH_GATEWAY_B").unwrap_or_default(),
+            "bulk_quic_vs_tcp": quic_b_vs_tcp, "bulk_quic_b_vs_a_per_round": quic_b_vs_a,
+            "added_p99_cross_vs_pair": latency_b,
+            "added_p99_ms": med(&added("cross-cluster B")),
+        })
+    });
     serde_json::json!({
         "rounds": rounds, "rate": rate, "runs": raw,
         "bulk_quic_vs_tcp": quic_vs_tcp, "bulk_quic_vs_direct": quic_vs_direct,
@@ -742,6 +828,7 @@ gateway goals, unshaped, {rounds} interleaved rounds, {secs} s per run (medians,
             "node proxy pair": med(&added("node proxy pair")),
             "cross-cluster": med(&added("cross-cluster")),
         },
+        "gateway_b": b,
     })
 }
 
