@@ -595,11 +595,17 @@ async fn goals(
         ))
     })
     .await;
-    // The gateway's streams by transport (B's on B's paths).
-    let streams_of = gateway_streams;
+    // The gateway and the iperf3 mirror of a path (B's on B's paths).
     let gw_of = |path: &str| match (&gateway_b, path.ends_with(" B")) {
         (Some(b), true) => b,
         _ => gw_pod,
+    };
+    let mirror_of = |path: &str| {
+        if path.ends_with(" B") {
+            MIRROR_B
+        } else {
+            MIRROR
+        }
     };
     // Paths of a round, B next to A (first in odd rounds).
     let with_b = |paths: &[&'static str], a: &'static str, b: &'static str, round: usize| {
@@ -617,11 +623,7 @@ async fn goals(
     // transparent pod (opaque connections, a new stream each; pooled HTTP
     // tunnels would not show a switch).
     let on = |tcp: bool, path: &'static str| async move {
-        let (gw, mirror) = if path.ends_with(" B") {
-            (gw_of(path), MIRROR_B)
-        } else {
-            (gw_pod, MIRROR)
-        };
+        let (gw, mirror) = (gw_of(path), mirror_of(path));
         eventually(
             if tcp {
                 "on the TCP fallback"
@@ -630,9 +632,9 @@ async fn goals(
             },
             Duration::from_secs(60),
             || async {
-                let before = streams_of(gw).await;
+                let before = gateway_streams(gw).await;
                 iperf(app, mirror, 9000, 1)?;
-                let after = streams_of(gw).await;
+                let after = gateway_streams(gw).await;
                 let (quic, tcp_streams) = (after.0 - before.0, after.1 - before.1);
                 let moved = if tcp {
                     tcp_streams > 0.0 && quic == 0.0
@@ -661,7 +663,7 @@ async fn goals(
                 "QUIC" | "QUIC B" => on(false, path).await,
                 _ => {}
             }
-            let before = streams_of(gw_of(path)).await;
+            let before = gateway_streams(gw_of(path)).await;
             // STRAIT_BENCH_PERF_DIR: the first round's bulk through the
             // gateway profiled (the three Strait processes on the path).
             let perf = perf_dir
@@ -671,16 +673,16 @@ async fn goals(
                     let name = format!("bulk {path}");
                     perf::record(dir, &name, &path_pids, secs.saturating_sub(2).max(1))
                 });
-            let (gbits, _) = match path {
-                "direct" => iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs),
-                "QUIC B" => iperf(app, MIRROR_B, 9000, secs),
-                _ => iperf(app, MIRROR, 9000, secs),
+            let (gbits, _) = if path == "direct" {
+                iperf(west_client, &iperf_pod.ip().to_string(), IPERF_PORT, secs)
+            } else {
+                iperf(app, mirror_of(path), 9000, secs)
             }
             .unwrap_or_else(|e| panic!("bulk over {path}: {e}"));
             if let Some(mut perf) = perf {
                 let _ = perf.wait();
             }
-            let after = streams_of(gw_of(path)).await;
+            let after = gateway_streams(gw_of(path)).await;
             let (quic, tcp) = (after.0 - before.0, after.1 - before.1);
             let wrong = match path {
                 "QUIC" | "QUIC B" => tcp,
@@ -710,7 +712,7 @@ async fn goals(
             "cross-cluster B",
             round,
         ) {
-            let before = streams_of(gw_of(path)).await;
+            let before = gateway_streams(gw_of(path)).await;
             let (client, connect, target) = match path {
                 "direct" => (
                     west_client,
@@ -722,19 +724,18 @@ async fn goals(
                     SocketAddr::new(IpAddr::V4(west_client.node().ip()), 4140),
                     (solo_local, "solo.shop.svc.cluster.local"),
                 ),
-                "cross-cluster B" => (
-                    east_client,
-                    SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
-                    (solo_westb, "solo-westb.shop.svc.cluster.local"),
-                ),
                 _ => (
                     east_client,
                     SocketAddr::new(IpAddr::V4(east_client.node().ip()), 4140),
-                    (solo_west, "solo-west.shop.svc.cluster.local"),
+                    if path.ends_with(" B") {
+                        (solo_westb, "solo-westb.shop.svc.cluster.local")
+                    } else {
+                        (solo_west, "solo-west.shop.svc.cluster.local")
+                    },
                 ),
             };
             let r = strait_load(client, connect, target, rate, secs, 3);
-            let after = streams_of(gw_of(path)).await;
+            let after = gateway_streams(gw_of(path)).await;
             assert_eq!(r["errors"].as_u64(), Some(0), "{path} at {rate} rps: {r}");
             if path.starts_with("cross-cluster") {
                 assert!(after.1 == before.1, "cross-cluster run went over TCP");
