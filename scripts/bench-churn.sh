@@ -7,4 +7,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bootstrap
 build_control_plane
 cd "$STRAIT_ROOT" || exit 1
+release_flags
 exec cargo bench -p strait-mirror --bench churn -- "$@"

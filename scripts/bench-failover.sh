@@ -6,6 +6,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bootstrap
 build_control_plane
 cd "$STRAIT_ROOT" || exit 1
+release_flags
 # The images are built from these binaries (release, as users run them).
 cargo build --release --bins
 exec cargo bench -p strait-cli --bench failover

@@ -7,5 +7,6 @@ APT_PACKAGES+=(haproxy)
 bootstrap
 build_control_plane
 cd "$STRAIT_ROOT" || exit 1
+release_flags
 cargo build --release --bins
 STRAIT_PROXY_LOG="${STRAIT_PROXY_LOG:-warn}" exec cargo bench -p strait-proxy --bench mesh

@@ -5,5 +5,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 bootstrap
 build_control_plane
 cd "$STRAIT_ROOT" || exit 1
+release_flags
 cargo build --release --bins
 STRAIT_PROXY_LOG="${STRAIT_PROXY_LOG:-warn}" exec cargo bench -p strait-proxy --bench wan

@@ -125,7 +125,7 @@ async fn main() {
         .unwrap_or("10".into())
         .parse()
         .unwrap();
-    let mut mesh = start_mesh(2, Path::new(env!("CARGO_BIN_EXE_strait-proxy"))).await;
+    let mut mesh = start_mesh(2, &strait_testenv::workspace_binary("strait-proxy")).await;
     add_client(&mut mesh, 0).await;
     let (server, _iperf_server) = iperf_server(&mesh, 1, ("iperf", IPERF_PORT)).await;
     let server_ip: Ipv4Addr = server.ip();

@@ -30,7 +30,6 @@ mod machine;
 mod perf;
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
 
 use strait_testenv::process::{cpu_seconds, rss_kib, rss_parts_kib};
 
@@ -147,7 +146,7 @@ async fn main() {
         .map(|r| r.trim().parse().unwrap())
         .collect();
     let secs: u64 = env_or("STRAIT_BENCH_SECS", "10").parse().unwrap();
-    let proxy_a = Path::new(env!("CARGO_BIN_EXE_strait-proxy"));
+    let proxy_a = &strait_testenv::workspace_binary("strait-proxy");
     let proxy_b = std::env::var_os("STRAIT_BENCH_PROXY_B").map(std::path::PathBuf::from);
     if let Some(b) = &proxy_b {
         assert!(b.is_file(), "STRAIT_BENCH_PROXY_B: no file {}", b.display());
@@ -225,6 +224,7 @@ async fn main() {
             r.round = round;
         }
     }
+    stop_proxies(&mut mesh);
     // A broken comparison must say why, not print zeros.
     if runs.iter().any(|r| {
         (r.label.starts_with("haproxy") || r.label.starts_with("null"))

@@ -488,6 +488,8 @@ async fn main() {
         std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("raw results: {file}");
     }
+    stop_proxies(&mut east);
+    stop_proxies(&mut west);
 }
 
 /// `gw`'s `gateway_streams_total`: (QUIC, TCP).

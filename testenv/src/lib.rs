@@ -49,14 +49,26 @@ pub use topology::ClusterTopology;
 pub use wan::Wan;
 
 /// A binary of this workspace built next to the running test executable
-/// (`cargo test --workspace` builds every one first). Panics with the command
-/// that builds it when it is missing.
+/// (`cargo test --workspace` builds every one first), or from the folder
+/// [`BIN_DIR_ENV`] names when it holds one of that name. Panics with the
+/// command that builds it when it is missing.
 pub fn workspace_binary(name: &str) -> std::path::PathBuf {
     find_workspace_binary(name).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// A folder whose binaries replace the workspace's own of the same name
+/// (the others still come from the build): how `scripts/pgo.sh` runs the
+/// benchmarks with instrumented builds of the proxy and gateway.
+pub const BIN_DIR_ENV: &str = "STRAIT_BIN_DIR";
+
 /// As [`workspace_binary`], with an error saying how to build it.
 pub fn find_workspace_binary(name: &str) -> Result<std::path::PathBuf, String> {
+    if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
+        let path = std::path::Path::new(&dir).join(name);
+        if path.exists() {
+            return Ok(path);
+        }
+    }
     let exe = std::env::current_exe().expect("the test executable's path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe
