@@ -66,6 +66,14 @@ release_flags() {
     say "warning: $PGO_PROFILE is missing: release builds without profile-guided optimisation (bash scripts/pgo.sh trains it)"
     return
   fi
+  # An older LLVM cannot read a newer one's profile format.
+  local trained current
+  trained="$(cat "$PGO_PROFILE.llvm-version" 2>/dev/null || echo 0)"
+  current="$(rustc -vV | sed -n 's/^LLVM version: //p')"
+  if ((${current%%.*} < ${trained%%.*})); then
+    say "warning: $PGO_PROFILE comes from LLVM $trained, this rustc has LLVM $current: release builds without profile-guided optimisation (a newer Rust, or bash scripts/pgo.sh)"
+    return
+  fi
   RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-Cprofile-use=$PGO_PROFILE -Clink-arg=-Wl,-z,keep-text-section-prefix"
   export RUSTFLAGS
 }

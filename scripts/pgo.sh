@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains pgo/strait.profdata, the profile release builds optimise with
 # (release_flags in lib.sh: the benchmark scripts; deploy/images/Dockerfile) (root).
-#   bash scripts/pgo.sh        (then commit pgo/strait.profdata)
+#   bash scripts/pgo.sh        (then commit pgo/strait.profdata and its .llvm-version)
 # 1. builds strait-proxy and strait-gateway instrumented (target/pgo-instrumented);
 # 2. runs the node proxy and cross-cluster benchmarks with them (STRAIT_BIN_DIR) as
 #    the workload: HTTP/1 at 1 000 and 10 000 rps through a proxy pair, and QUIC
@@ -43,4 +43,5 @@ files=("$raw"/*.profraw)
 ((${#files[@]})) || die "the workload wrote no profile to $raw: did the proxies and gateway exit by SIGTERM?"
 mkdir -p "$(dirname "$PGO_PROFILE")"
 "$profdata" merge --sparse -o "$PGO_PROFILE" "${files[@]}"
+rustc -vV | sed -n 's/^LLVM version: //p' >"$PGO_PROFILE.llvm-version"
 say "wrote $PGO_PROFILE ($(du -h "$PGO_PROFILE" | cut -f1), from ${#files[@]} processes): commit it"

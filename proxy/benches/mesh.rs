@@ -425,9 +425,13 @@ fn medians(runs: &[Run], path: &str, rate: u32, secs: u64) -> Option<Medians> {
 /// against the null relay's, RSS of the pair against the haproxy pair's.
 fn goals(runs: &[Run], rates: &[u32], secs: u64) -> serde_json::Value {
     let mut out = Vec::new();
-    for &rate in rates {
+    // An A/B run (`STRAIT_BENCH_PROXY_B`) gets B's ratios against the same references too.
+    for (path, &rate) in ["strait-proxy", "strait-proxy B"]
+        .iter()
+        .flat_map(|p| rates.iter().map(move |r| (p, r)))
+    {
         let (Some(strait), Some(haproxy), Some(relay)) = (
-            medians(runs, "strait-proxy", rate, secs),
+            medians(runs, path, rate, secs),
             medians(runs, "haproxy+TLS", rate, secs),
             medians(runs, "null relay", rate, secs),
         ) else {
@@ -440,6 +444,7 @@ fn goals(runs: &[Run], rates: &[u32], secs: u64) -> serde_json::Value {
             .map(|(s, h)| s / h)
             .collect();
         out.push(serde_json::json!({
+            "path": path,
             "rate": rate,
             "cpu_per_proxy_vs_haproxy_tls": cpu,
             "cpu_per_proxy_goal": 0.9,
@@ -460,7 +465,7 @@ fn print_goals(goals: &serde_json::Value) {
     };
     println!(
         "
-goals (medians; ratio of strait-proxy to its reference in this run):"
+goals (medians; ratio of each strait-proxy path to its reference in this run):"
     );
     let mark = |ok: bool| if ok { "met" } else { "NOT met" };
     for g in goals {
@@ -471,7 +476,8 @@ goals (medians; ratio of strait-proxy to its reference in this run):"
             .unwrap_or_default();
         let worst = cpu.iter().copied().fold(f64::NAN, f64::max);
         println!(
-            "  {:>6} rps  CPU per proxy / haproxy+TLS: {} (≤ 0.90: {})   added p99 / null relay: {:.2} ({:.2} / {:.2} ms; ≤ 1.25: {})   RSS / haproxy+TLS: {:.2} (≤ 1.00: {})",
+            "  {:<14} {:>6} rps  CPU per proxy / haproxy+TLS: {} (≤ 0.90: {})   added p99 / null relay: {:.2} ({:.2} / {:.2} ms; ≤ 1.25: {})   RSS / haproxy+TLS: {:.2} (≤ 1.00: {})",
+            g["path"].as_str().unwrap_or("?"),
             g["rate"],
             cpu.iter()
                 .map(|c| format!("{c:.2}"))
