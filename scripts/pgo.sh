@@ -6,8 +6,9 @@
 # 2. runs the node proxy and cross-cluster benchmarks with them (STRAIT_BIN_DIR) as
 #    the workload: HTTP/1 at 1 000 and 10 000 rps through a proxy pair, and QUIC
 #    and TCP + TLS bulk, requests and connection set-up through a gateway;
-# 3. merges what they counted into pgo/strait.profdata, sparse: code the workload
-#    never ran is optimised as without a profile, not as cold.
+# 3. merges what they counted into pgo/strait.profdata. Not sparse: code the workload
+#    never ran is then known as cold, optimised for size and laid out apart from the
+#    hot code, and that is most of the gain (a sparse profile measured none).
 # Run it again when the data path changes much: code changed since the profile
 # was trained is optimised as without one (nothing breaks, the gain fades).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -42,6 +43,6 @@ shopt -s nullglob
 files=("$raw"/*.profraw)
 ((${#files[@]})) || die "the workload wrote no profile to $raw: did the proxies and gateway exit by SIGTERM?"
 mkdir -p "$(dirname "$PGO_PROFILE")"
-"$profdata" merge --sparse -o "$PGO_PROFILE" "${files[@]}"
+"$profdata" merge -o "$PGO_PROFILE" "${files[@]}"
 rustc -vV | sed -n 's/^LLVM version: //p' >"$PGO_PROFILE.llvm-version"
 say "wrote $PGO_PROFILE ($(du -h "$PGO_PROFILE" | cut -f1), from ${#files[@]} processes): commit it"
