@@ -53,8 +53,9 @@ build_control_plane() {
 
 # Release builds (benchmarks, images) optimise with the profile in
 # pgo/strait.profdata, trained by scripts/pgo.sh on the node proxy and gateway
-# benchmarks: hot code optimised for speed and laid out together (fewer code
-# pages resident), the rest as without a profile. Call after
+# benchmarks: hot code optimised for speed and laid out together, code the
+# training never ran optimised for size and laid apart (fewer code pages
+# resident). Call after
 # build_control_plane (the debug builds stay as the tests build them);
 # STRAIT_PGO=0 builds without it (as does a missing profile, with a warning).
 PGO_PROFILE="$STRAIT_ROOT/pgo/strait.profdata"
@@ -70,6 +71,7 @@ release_flags() {
   local trained current
   trained="$(cat "$PGO_PROFILE.llvm-version" 2>/dev/null || echo 0)"
   current="$(rustc -vV | sed -n 's/^LLVM version: //p')"
+  current="${current:-0}"
   if ((${current%%.*} < ${trained%%.*})); then
     say "warning: $PGO_PROFILE comes from LLVM $trained, this rustc has LLVM $current: release builds without profile-guided optimisation (a newer Rust, or bash scripts/pgo.sh)"
     return
